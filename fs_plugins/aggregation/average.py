@@ -1,0 +1,42 @@
+"""Sample-weighted averaging of named tensors."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def normalise_weights(weights: Sequence[float]) -> torch.Tensor:
+    """Non-negative weights -> float64 tensor summing to 1. Raises if they sum to 0."""
+    w = torch.as_tensor([float(x) for x in weights], dtype=torch.float64)
+    if (w < 0).any():
+        raise ValueError(f"Aggregation weights must be non-negative, got {w.tolist()}")
+    total = w.sum()
+    if total <= 0:
+        raise ValueError(f"Aggregation weights sum to {float(total)}; nothing to average")
+    return w / total
+
+
+def weighted_average(states: Sequence[dict], weights: Sequence[float]) -> dict:
+    """Per key: sum_k p_k x_k with p_k = w_k / sum w over the states holding that key.
+
+    Keys present in only some states (heterogeneous clients) are averaged over those.
+    Accumulates in float32 at least (float64 for float64 inputs); returns the input dtype.
+    """
+    if len(states) != len(weights):
+        raise ValueError(f"{len(states)} states but {len(weights)} weights")
+    keys = list(dict.fromkeys(k for state in states for k in state))
+    out = {}
+    for key in keys:
+        holders = [i for i, state in enumerate(states) if key in state]
+        tensors = [states[i][key] for i in holders]
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) > 1:
+            raise ValueError(f"Cannot average '{key}': clients sent different shapes {sorted(shapes)}")
+        p = normalise_weights([weights[i] for i in holders])
+        acc_dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+        acc = torch.zeros(tensors[0].shape, dtype=acc_dtype)
+        for pk, t in zip(p, tensors):
+            acc += float(pk) * t.detach().to('cpu', acc_dtype)
+        out[key] = acc.to(tensors[0].dtype)
+    return out

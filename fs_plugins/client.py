@@ -1,0 +1,158 @@
+"""One client's side of a round, shared by the FS trainer and the embedded runner.
+
+The FS trainer calls the step-level pieces from its hooks (`begin_round`, `next_batch`,
+`compute_loss`, `optimise`, `record`, `end_round`); the embedded runner calls `run_round`,
+which is the same sequence. The client's model, its persistent `state` and its batch stream
+live here, so client-local parameters and counters survive across rounds in both runners.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
+from fs_plugins.data.instruction import IGNORE_INDEX, PadCollator, tokenize_records
+from fs_plugins.methods.base import ClientUpdate, Method, Phase
+from fs_plugins.models.builders import BuiltModel
+from fs_plugins.optim import build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def expand_phases(phases: list[Phase], total_steps: int) -> list[Phase]:
+    """Phase of each local step; the phases' steps must add up to the round's steps."""
+    if sum(p.steps for p in phases) != total_steps:
+        raise ValueError(f"Phases {[(p.name, p.steps) for p in phases]} cover "
+                         f"{sum(p.steps for p in phases)} steps, the round has {total_steps}")
+    return [p for p in phases for _ in range(p.steps)]
+
+
+class ClientProcedure:
+    def __init__(self, client_id: int, cfg, method: Method, built: BuiltModel,
+                 records: dict, device='cpu'):
+        self.client_id, self.cfg, self.method = client_id, cfg, method
+        self.model, self.tokenizer = built.model, built.tokenizer
+        self.trainable_names = list(built.trainable_names)
+        self.params = dict(self.model.named_parameters())
+        self.device = torch.device(device)
+        template, max_len = cfg.fsplug.data.prompt, int(cfg.llm.tok_len)
+        where = f'client {client_id}'
+        self.train_data = tokenize_records(records['train'], self.tokenizer, template, max_len,
+                                           f'{where} train')
+        self.test_data = tokenize_records(records.get('test') or [], self.tokenizer, template,
+                                          max_len, f'{where} test')
+        if not self.train_data:
+            raise ValueError(f"Client {client_id} has no usable training records")
+        self.collate = PadCollator(self.tokenizer.pad_token_id)
+        self.batch_size = int(cfg.dataloader.batch_size)
+        self.stream = BatchStream(self.train_data, self.collate, self.batch_size, cfg.seed,
+                                  client_id)
+        self.state = method.init_client_state(self.model, cfg)
+        self.optimizer = self.scheduler = None
+
+    # ------------------------------------------------------------------ receive
+    def receive(self, content: dict) -> None:
+        self.method.receive(self.model, content, self.state)
+
+    # --------------------------------------------------------------- local round
+    def steps_per_round(self) -> int:
+        return local_steps(self.cfg.train, len(self.train_data), self.batch_size)
+
+    def begin_round(self) -> int:
+        steps = self.steps_per_round()
+        self.step_phases = expand_phases(self.method.phases(steps, self.cfg), steps)
+        self.model.to(self.device)
+        self.model.train()
+        self.optimizer = build_optimizer([self.params[n] for n in self.trainable_names],
+                                         self.cfg.train.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.train.scheduler, steps)
+        self.step_index, self.current_phase = 0, None
+        self.stats = {'loss_sum': 0.0, 'samples': 0, 'steps': 0, 'skipped': 0}
+        return steps
+
+    def _enter_phase(self, phase: Phase) -> None:
+        for name in self.trainable_names:
+            self.params[name].requires_grad_(phase.trainable is None or phase.trainable(name))
+        self.current_phase = phase
+
+    def next_batch(self) -> dict:
+        phase = self.step_phases[min(self.step_index, len(self.step_phases) - 1)]
+        if phase is not self.current_phase:
+            self._enter_phase(phase)
+        return {k: v.to(self.device) for k, v in self.stream.next().items()}
+
+    def compute_loss(self, batch: dict) -> torch.Tensor:
+        return self.method.loss(self.model, batch, self.state)
+
+    def optimise(self, loss: torch.Tensor) -> bool:
+        """One optimiser step; a non-finite loss skips the step (as FS-LLM does)."""
+        self.step_index += 1
+        if not torch.isfinite(loss):
+            logger.warning(f"Client {self.client_id}: non-finite loss, step skipped")
+            self.stats['skipped'] += 1
+            return False
+        self.optimizer.zero_grad(set_to_none=True)  # frozen phases keep grad None: no update
+        loss.backward()
+        clip = float(self.cfg.grad.grad_clip)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([self.params[n] for n in self.trainable_names], clip)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.method.after_step(self.model, self.state)
+        return True
+
+    def record(self, loss_value: float, batch_size: int) -> None:
+        if math.isfinite(loss_value):
+            self.stats['loss_sum'] += loss_value * batch_size
+            self.stats['samples'] += batch_size
+        self.stats['steps'] += 1
+
+    def end_round(self) -> ClientUpdate:
+        for name in self.trainable_names:
+            self.params[name].requires_grad_(True)
+        self.optimizer = self.scheduler = None
+        samples = self.stats['samples']
+        shared = {n: self.params[n].detach().to('cpu').clone()
+                  for n in self.trainable_names if self.method.is_shared(n)}
+        metrics = {'train_avg_loss': self.stats['loss_sum'] / samples if samples else float('nan'),
+                   'train_steps': self.stats['steps']}
+        return ClientUpdate(self.client_id, samples, shared,
+                            self.method.client_extra(self.model, self.state), metrics)
+
+    def run_round(self) -> ClientUpdate:
+        for _ in range(self.begin_round()):
+            batch = self.next_batch()
+            loss = self.compute_loss(batch)
+            self.optimise(loss)
+            self.record(loss.item(), batch['input_ids'].shape[0])
+        return self.end_round()
+
+    # ---------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, split: str = 'test') -> dict:
+        """Answer-token loss and next-token accuracy on the client's own split."""
+        dataset = self.test_data if split == 'test' else None
+        if not dataset:
+            return {}
+        self.model.to(self.device)
+        was_training = self.model.training
+        self.model.eval()
+        batch_size = int(self.cfg.fsplug.eval.batch_size) or self.batch_size
+        loss_sum, correct, tokens = 0.0, 0, 0
+        for batch in eval_batches(dataset, self.collate, batch_size):
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            logits = self.model(input_ids=batch['input_ids'],
+                                attention_mask=batch['attention_mask']).logits.float()
+            pred, target = logits[:, :-1], batch['labels'][:, 1:]
+            mask = target != IGNORE_INDEX
+            loss_sum += torch.nn.functional.cross_entropy(
+                pred[mask], target[mask], reduction='sum').item()
+            correct += (pred.argmax(-1)[mask] == target[mask]).sum().item()
+            tokens += int(mask.sum())
+        self.model.train(was_training)
+        return {f'{split}_avg_loss': loss_sum / max(tokens, 1),
+                f'{split}_token_acc': correct / max(tokens, 1),
+                f'{split}_total': len(dataset)}

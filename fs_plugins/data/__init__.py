@@ -1,0 +1,1 @@
+"""Instruction data: loading, prompts and tokenisation, splitters, batch streams."""

@@ -1,0 +1,65 @@
+"""Small instruction datasets generated locally (no download), for tests and the demo."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+_WORDS = ('apple river stone cloud green quick music paper light ocean tiger window '
+          'silver garden planet yellow forest candle bridge winter').split()
+
+
+def _arith(rng):
+    a, b = (int(x) for x in rng.integers(0, 50, size=2))
+    return {'instruction': 'Add the two numbers.', 'input': f'{a} {b}', 'output': str(a + b)}
+
+
+def _reverse(rng):
+    words = [str(w) for w in rng.choice(_WORDS, size=3, replace=False)]
+    return {'instruction': 'Reverse the order of the words.', 'input': ' '.join(words),
+            'output': ' '.join(reversed(words))}
+
+
+def _upper(rng):
+    word = str(rng.choice(_WORDS))
+    return {'instruction': f'Write the word {word} in capital letters.', 'input': '',
+            'output': word.upper()}
+
+
+def _count(rng):
+    n = int(rng.integers(1, 6))
+    words = [str(w) for w in rng.choice(_WORDS, size=n)]
+    return {'instruction': 'How many words are in the input?', 'input': ' '.join(words),
+            'output': str(n)}
+
+
+TINY_TASKS = {'arith': _arith, 'reverse': _reverse, 'upper': _upper, 'count': _count}
+
+
+def tiny_tasks_records(per_category: int = 60, seed: int = 0) -> list[dict]:
+    """Four categories of toy instructions, a natural non-IID split by 'category'."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for category, make in TINY_TASKS.items():
+        for _ in range(per_category):
+            records.append({**make(rng), 'category': category})
+    return records
+
+
+BUILTIN_DATASETS = {'tiny_tasks': tiny_tasks_records}
+
+
+def ensure_builtin(name: str, root: str) -> str | None:
+    """Writes builtin dataset `name` as <root>/<name>.jsonl if missing; None if not builtin."""
+    if name not in BUILTIN_DATASETS:
+        return None
+    path = os.path.join(root, f'{name}.jsonl')
+    if not os.path.isfile(path):
+        os.makedirs(root, exist_ok=True)
+        tmp = path + '.tmp'
+        with open(tmp, 'w', encoding='utf-8') as handle:
+            for rec in BUILTIN_DATASETS[name]():
+                handle.write(json.dumps(rec) + '\n')
+        os.replace(tmp, path)
+    return path

@@ -1,0 +1,117 @@
+"""The contract every method implements, for both runners.
+
+A method answers four questions (DESIGN.md "One method, one place"):
+1. its adapter: `adapt_model` changes the built model (plain LoRA is already injected by peft);
+2. its client procedure: `phases` (which parameters train in which part of a round), `loss`,
+   `after_step` (counters), all reading and writing the client's persistent `state`;
+3. what leaves the client: `is_shared(name)` picks the shared trainable parameters,
+   `client_extra` adds any other payload (counts, gradient sketches);
+4. its server side: `init_server_state`, `aggregate` (a pure function of the updates and the
+   previous state) and `content_for` (what one client receives: the same dict for everyone,
+   or a personalised one).
+
+Nothing here imports FederatedScope; the FS binding and the embedded runner both call it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from fs_plugins.aggregation import weighted_average
+
+
+@dataclass
+class Phase:
+    """A contiguous block of local steps in which only some parameters train.
+
+    `trainable(name)` selects among the model's adapter parameters; None means all of them."""
+    name: str
+    steps: int
+    trainable: Optional[Callable[[str], bool]] = None
+
+
+@dataclass
+class ClientUpdate:
+    """What one client sends after local training."""
+    client_id: int
+    num_samples: int
+    shared: dict[str, torch.Tensor]
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Method:
+    """Base class: FedAvg-style behaviour that subclasses override piece by piece."""
+
+    name: ClassVar[str] = ''
+    # hyper-parameters under `fsplug.<name>`, with the paper's defaults
+    defaults: ClassVar[dict] = {}
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.hparams = cfg.fsplug.get(self.name, {}) if self.name else {}
+
+    # ------------------------------------------------------------------ model
+    def adapt_model(self, model: torch.nn.Module, cfg) -> torch.nn.Module:
+        """Adds the method's own modules after LoRA injection; `cfg` is the client's config."""
+        return model
+
+    # ----------------------------------------------------------------- client
+    def init_client_state(self, model: torch.nn.Module, cfg) -> dict:
+        """Client-local state that persists across rounds (counters, control variates)."""
+        return {}
+
+    def phases(self, num_steps: int, cfg) -> list[Phase]:
+        return [Phase('train', num_steps)]
+
+    def is_shared(self, name: str) -> bool:
+        """Whether trainable parameter `name` leaves the client."""
+        return True
+
+    def loss(self, model: torch.nn.Module, batch: dict, state: dict) -> torch.Tensor:
+        return model(**batch).loss
+
+    def after_step(self, model: torch.nn.Module, state: dict) -> None:
+        """Called after every optimiser step (e.g. to accumulate activation counts)."""
+
+    def client_extra(self, model: torch.nn.Module, state: dict) -> dict[str, torch.Tensor]:
+        """Payload sent beside the shared parameters."""
+        return {}
+
+    def receive(self, model: torch.nn.Module, content: dict[str, torch.Tensor],
+                state: dict) -> None:
+        """Applies what the server sent to this client (default: load shared tensors)."""
+        load_tensors(model, content)
+
+    # ----------------------------------------------------------------- server
+    def init_server_state(self, initial_shared: dict[str, torch.Tensor]) -> dict:
+        """Server state kept across rounds; 'global' holds the shared parameters."""
+        return {'global': dict(initial_shared)}
+
+    def aggregate(self, server_state: dict, updates: list[ClientUpdate]) -> dict:
+        """New server state from the previous one and this round's updates (FedAvg here)."""
+        merged = weighted_average([u.shared for u in updates],
+                                  [u.num_samples for u in updates])
+        return {**server_state, 'global': {**server_state['global'], **merged}}
+
+    def content_for(self, server_state: dict, client_id: int) -> dict[str, torch.Tensor]:
+        """What client `client_id` receives before training or evaluation."""
+        return server_state['global']
+
+
+def load_tensors(model: torch.nn.Module, content: dict[str, torch.Tensor]) -> None:
+    """Copies named tensors into the model's parameters in place; names must exist."""
+    if not content:
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in content.items():
+            if name not in params:
+                raise KeyError(f"Received tensor '{name}' has no matching model parameter")
+            target = params[name]
+            if target.shape != value.shape:
+                raise ValueError(f"Received tensor '{name}' has shape {tuple(value.shape)}, "
+                                 f"the model's parameter has {tuple(target.shape)}")
+            target.copy_(value.to(device=target.device, dtype=target.dtype))

@@ -1,0 +1,1 @@
+"""Model builders: a base model + tokenizer, LoRA via peft, then the method's own modules."""

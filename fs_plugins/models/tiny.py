@@ -1,0 +1,74 @@
+"""A tiny random Llama and a tokenizer trained locally: offline assets for tests and the demo.
+
+Built once into a cache directory, deterministically (fixed seed), so every process and both
+runners load identical weights."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+
+from fs_plugins.data.builtin import tiny_tasks_records
+from fs_plugins.data.instruction import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
+
+TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+SPECIAL_TOKENS = {'bos_token': '<s>', 'eos_token': '</s>', 'pad_token': '<pad>', 'unk_token': '<unk>'}
+
+
+def cache_dir() -> str:
+    return os.environ.get('FSPLUG_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'fs_plugins'))
+
+
+def _corpus() -> list[str]:
+    texts = [ALPACA_WITH_INPUT, ALPACA_NO_INPUT]
+    for rec in tiny_tasks_records(per_category=200, seed=1):
+        texts.append(' '.join([rec['instruction'], rec['input'], rec['output']]))
+    return texts
+
+
+def build_tokenizer(vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS['unk_token']))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def build_tiny_llama_dir(path: str, seed: int = 1234) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=False, **TINY_CONFIG)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def ensure_tiny_llama(path: str | None = None) -> str:
+    """Returns the directory of the tiny model, building it there first if needed."""
+    path = path or os.path.join(cache_dir(), 'tiny-llama')
+    if os.path.isfile(os.path.join(path, 'config.json')):
+        return path
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix='.tiny-llama-')
+    try:
+        build_tiny_llama_dir(tmp)
+        try:
+            os.rename(tmp, path)  # atomic; another process may have won the race
+        except OSError:
+            if not os.path.isfile(os.path.join(path, 'config.json')):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,116 @@
+"""Per-round, per-client results: JSON lines as they happen, CSV and a summary table.
+
+Both runners write through this class, so their files have the same format. Every row is
+flushed when logged: a run that stops mid-way keeps everything up to that point."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections import defaultdict
+
+import torch
+
+SUMMARY_COLUMNS = ('samples', 'bytes_up', 'bytes_down')
+
+
+def payload_bytes(tensors: dict) -> int:
+    """Exact size of the tensors in a payload (numel x element size), independent of the
+    transport's serialisation."""
+    return sum(t.numel() * t.element_size() for t in tensors.values() if torch.is_tensor(t))
+
+
+class ResultsLog:
+    def __init__(self, out_dir: str, run_info: dict):
+        self.out_dir = out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        self.rows: list[dict] = []
+        self.jsonl_path = os.path.join(out_dir, 'results.jsonl')
+        self.csv_path = os.path.join(out_dir, 'results.csv')
+        self.summary_path = os.path.join(out_dir, 'summary.md')
+        self._jsonl = open(self.jsonl_path, 'w', encoding='utf-8')
+        with open(os.path.join(out_dir, 'run_info.json'), 'w', encoding='utf-8') as handle:
+            json.dump(run_info, handle, indent=2, default=str)
+        self.client_names: dict[int, str] = dict(run_info.get('client_names', {}))
+
+    def log(self, row: dict) -> None:
+        row = {k: (float(v) if isinstance(v, float) else v) for k, v in row.items()}
+        self.rows.append(row)
+        self._jsonl.write(json.dumps(row) + '\n')
+        self._jsonl.flush()
+
+    def log_train(self, round_idx: int, client_id: int, samples: int, bytes_up: int,
+                  bytes_down: int, metrics: dict) -> None:
+        self.log({'round': round_idx, 'client': client_id, 'kind': 'train', 'samples': samples,
+                  'bytes_up': bytes_up, 'bytes_down': bytes_down, **metrics})
+
+    def log_eval(self, round_idx: int, client_id: int, metrics: dict) -> None:
+        self.log({'round': round_idx, 'client': client_id, 'kind': 'eval', **metrics})
+        self.write_csv()
+
+    def write_csv(self) -> None:
+        columns = list(dict.fromkeys(k for row in self.rows for k in row))
+        tmp = self.csv_path + '.tmp'
+        with open(tmp, 'w', newline='', encoding='utf-8') as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+        os.replace(tmp, self.csv_path)
+
+    # ------------------------------------------------------------------ summary
+    def final_rows(self) -> tuple[list[str], list[dict]]:
+        """One row per client: its last evaluation plus its totals; then the average."""
+        totals: dict[int, dict] = defaultdict(lambda: dict.fromkeys(SUMMARY_COLUMNS, 0))
+        last_eval: dict[int, dict] = {}
+        for row in self.rows:
+            cid = row['client']
+            if row['kind'] == 'train':
+                for key in SUMMARY_COLUMNS:
+                    totals[cid][key] += row.get(key, 0)
+            else:
+                last_eval[cid] = row
+        clients = sorted(set(totals) | set(last_eval))
+        metric_cols = list(dict.fromkeys(
+            k for r in last_eval.values() for k in r if k not in ('round', 'client', 'kind')))
+        table = []
+        for cid in clients:
+            entry = {'client': self.client_label(cid),
+                     'eval_round': last_eval.get(cid, {}).get('round', '')}
+            entry.update({k: last_eval.get(cid, {}).get(k, float('nan')) for k in metric_cols})
+            entry.update(totals[cid])
+            table.append(entry)
+        if table:
+            avg = {'client': 'average', 'eval_round': ''}
+            for key in metric_cols + list(SUMMARY_COLUMNS):
+                values = [r[key] for r in table if isinstance(r[key], (int, float))
+                          and not (isinstance(r[key], float) and math.isnan(r[key]))]
+                avg[key] = sum(values) / len(values) if values else float('nan')
+            table.append(avg)
+        return ['client', 'eval_round'] + metric_cols + list(SUMMARY_COLUMNS), table
+
+    def client_label(self, cid: int) -> str:
+        name = self.client_names.get(cid) or self.client_names.get(str(cid))
+        return f'{cid} ({name})' if name and name != f'client_{cid}' else str(cid)
+
+    def summary_markdown(self) -> str:
+        columns, table = self.final_rows()
+        lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+        for row in table:
+            lines.append('| ' + ' | '.join(_fmt(row[c]) for c in columns) + ' |')
+        return '\n'.join(lines)
+
+    def close(self) -> str:
+        self.write_csv()
+        summary = self.summary_markdown()
+        with open(self.summary_path, 'w', encoding='utf-8') as handle:
+            handle.write(summary + '\n')
+        if not self._jsonl.closed:
+            self._jsonl.close()
+        return summary
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return 'nan' if math.isnan(value) else f'{value:.4f}'
+    return str(value)

@@ -1,0 +1,45 @@
+"""Pieces of a run both runners need: the device, the results directory, run metadata,
+the server's initial shared state."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from fs_plugins.config import data_name, model_path, to_plain
+from fs_plugins.methods.base import Method
+from fs_plugins.models.builders import build_model
+
+
+def device_for(cfg) -> str:
+    if cfg.use_gpu and torch.cuda.is_available():
+        return f'cuda:{max(int(cfg.device), 0)}'
+    return 'cpu'
+
+
+def results_dir(cfg, outdir_is_final: bool = False) -> str:
+    """fsplug.results_dir, else FS's outdir (which FS has already joined with expname)."""
+    if cfg.fsplug.results_dir:
+        return str(cfg.fsplug.results_dir)
+    if outdir_is_final:
+        return str(cfg.outdir)
+    expname = cfg.expname or f'{cfg.fsplug.method}_{os.path.basename(data_name(cfg))}_seed{cfg.seed}'
+    path = os.path.join(str(cfg.outdir), expname)
+    if os.path.exists(os.path.join(path, 'results.jsonl')):
+        path += '_' + datetime.datetime.now().strftime('%Y%m%d%H%M%S')
+    return path
+
+
+def run_info(cfg, runner: str, client_names: dict) -> dict:
+    return {'runner': runner, 'method': cfg.fsplug.method, 'seed': cfg.seed,
+            'model': model_path(cfg), 'data': str(cfg.data.type),
+            'client_names': {str(k): v for k, v in client_names.items()},
+            'config': to_plain(cfg)}
+
+
+def initial_shared_state(cfg, method: Method) -> dict:
+    """The shared parameters of a freshly built global model (the server's starting point)."""
+    built = build_model(cfg, method)
+    return {n: p.detach().to('cpu').clone() for n, p in built.model.named_parameters()
+            if n in built.trainable_names and method.is_shared(n)}

@@ -1,0 +1,48 @@
+"""The server's side of a run, shared by the FS server worker and the embedded runner:
+client sampling, per-client content, aggregation through the method, results logging."""
+from __future__ import annotations
+
+import numpy as np
+
+from fs_plugins.methods.base import ClientUpdate, Method
+from fs_plugins.results import ResultsLog, payload_bytes
+from fs_plugins.seeding import derive_seed
+
+
+def sample_clients(seed: int, round_idx: int, client_ids, k: int) -> list[int]:
+    """k clients for a round, seeded by the run seed and the round (all when k >= count)."""
+    ids = sorted(client_ids)
+    if k <= 0 or k >= len(ids):
+        return ids
+    rng = np.random.default_rng(derive_seed(seed, 'sample', round_idx))
+    return sorted(int(c) for c in rng.choice(ids, size=k, replace=False))
+
+
+class ServerProcedure:
+    def __init__(self, cfg, method: Method, initial_shared: dict, results: ResultsLog):
+        self.cfg, self.method, self.results = cfg, method, results
+        self.state = method.init_server_state(initial_shared)
+        self.bytes_down: dict[int, int] = {}
+
+    def sample(self, round_idx: int, client_ids) -> list[int]:
+        return sample_clients(self.cfg.seed, round_idx, client_ids,
+                              int(self.cfg.federate.sample_client_num))
+
+    def content_for(self, client_id: int, for_training: bool = True) -> dict:
+        content = self.method.content_for(self.state, client_id)
+        if for_training:
+            self.bytes_down[client_id] = payload_bytes(content)
+        return content
+
+    def aggregate(self, round_idx: int, updates: list[ClientUpdate]) -> None:
+        updates = sorted(updates, key=lambda u: u.client_id)
+        for update in updates:
+            sent = payload_bytes(update.shared) + payload_bytes(update.extra)
+            self.results.log_train(round_idx, update.client_id, update.num_samples, sent,
+                                   self.bytes_down.pop(update.client_id, 0), update.metrics)
+        self.state = self.method.aggregate(self.state, updates)
+
+    def should_evaluate(self, rounds_done: int) -> bool:
+        total = int(self.cfg.federate.total_round_num)
+        freq = max(int(self.cfg.eval.freq), 1)
+        return rounds_done % freq == 0 or rounds_done == total

@@ -1,0 +1,1 @@
+"""The embedded in-process runner (for machines without FederatedScope)."""

@@ -1,0 +1,66 @@
+"""Embedded runner: sample clients -> local rounds -> aggregate -> evaluate, in one process,
+over the same core objects the FederatedScope binding uses."""
+from __future__ import annotations
+
+import logging
+
+from tqdm import tqdm
+
+from fs_plugins.client import ClientProcedure
+from fs_plugins.config import client_config, client_overrides, resolve_derived
+from fs_plugins.data.federated import build_federated_records
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.models.builders import build_model
+from fs_plugins.results import ResultsLog
+from fs_plugins.runtime import device_for, initial_shared_state, results_dir, run_info
+from fs_plugins.server import ServerProcedure
+
+logger = logging.getLogger(__name__)
+
+
+def build_clients(cfg, method_cls, records, overrides, device) -> dict[int, ClientProcedure]:
+    clients = {}
+    for cid in range(1, records.client_num + 1):
+        ccfg = client_config(cfg, overrides.get(cid))
+        method = method_cls(ccfg)
+        clients[cid] = ClientProcedure(cid, ccfg, method, build_model(ccfg, method),
+                                       records.clients[cid], device)
+    return clients
+
+
+def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
+    """Runs the whole course for `cfg` (a loaded Cfg); returns the closed results log."""
+    records = build_federated_records(cfg)
+    cfg.federate.client_num = records.client_num
+    resolve_derived(cfg)
+    overrides = client_overrides(client_cfgs, records.client_num)
+    method_cls = get_method_class(cfg.fsplug.method)
+    method = method_cls(cfg)
+    results = ResultsLog(results_dir(cfg), run_info(cfg, 'embedded', records.client_names))
+    logger.info(f'fs-plugins: results -> {results.out_dir}')
+    try:
+        server = ServerProcedure(cfg, method, initial_shared_state(cfg, method), results)
+        clients = build_clients(cfg, method_cls, records, overrides, device_for(cfg))
+        total = int(cfg.federate.total_round_num)
+        progress = tqdm(range(total), desc=f'{cfg.fsplug.method} rounds', unit='round')
+        for round_idx in progress:
+            updates = []
+            for cid in server.sample(round_idx, clients):
+                clients[cid].receive(server.content_for(cid))
+                updates.append(clients[cid].run_round())
+            server.aggregate(round_idx, updates)
+            progress.set_postfix(train_loss=_mean(u.metrics['train_avg_loss'] for u in updates))
+            if server.should_evaluate(round_idx + 1):
+                for cid, client in clients.items():
+                    client.receive(server.content_for(cid, for_training=False))
+                    results.log_eval(round_idx, cid, client.evaluate('test'))
+    finally:
+        summary = results.close()
+    print(f'\nPer-client results ({cfg.fsplug.method}, embedded runner, seed {cfg.seed}):\n'
+          f'{summary}\nFiles: {results.out_dir}/results.jsonl, results.csv, summary.md')
+    return results
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float('nan')
