@@ -40,10 +40,14 @@ class Cfg(dict):
         return Cfg.wrap(copy.deepcopy(to_plain(self)))
 
 
+# bookkeeping entries FS's CfgNode keeps inside every node
+FS_AUX_KEYS = frozenset({'__cfg_check_funcs__', '__help_info__', 'is_ready_for_run'})
+
+
 def to_plain(value):
     """CfgNode / Cfg -> plain nested dicts and lists (for JSON, YAML and comparisons)."""
     if isinstance(value, Mapping):
-        return {k: to_plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items() if k not in FS_AUX_KEYS}
     if isinstance(value, tuple):
         return [to_plain(v) for v in value]
     if isinstance(value, list):
@@ -75,8 +79,7 @@ CORE_DEFAULTS: dict[str, Any] = {
         },
     },
     'data': {
-        # 'iid' | 'dirichlet' | 'by_source'
-        'splitter': 'iid',
+        # (the splitter itself is FS's key data.splitter: iid | dirichlet (alias lda) | by_source)
         # record field used by dirichlet (labels) and by_source (one client per value)
         'split_field': 'category',
         'dirichlet_alpha': 0.5,
@@ -112,7 +115,7 @@ FS_DEFAULTS: dict[str, Any] = {
         'total_round_num': 50,
         'share_local_model': False,
     },
-    'data': {'root': 'data', 'type': ''},
+    'data': {'root': 'data', 'type': '', 'splitter': ''},
     'model': {'type': ''},
     'trainer': {'type': 'general'},
     'dataloader': {'batch_size': 64},
@@ -152,6 +155,8 @@ def _unknown_key_error(path: str, key: str, allowed) -> ConfigError:
 def check_keys(values: Mapping, schema: Mapping, path: str = 'fsplug.') -> None:
     """Every key in `values` must exist in `schema` (recursively for sub-nodes)."""
     for key, value in values.items():
+        if key in FS_AUX_KEYS:
+            continue
         if key not in schema:
             raise _unknown_key_error(path, key, schema.keys())
         if isinstance(schema[key], Mapping) and schema[key]:
@@ -172,13 +177,13 @@ def validate(cfg) -> None:
         return
     registry.get_method_class(plug.method)  # names the allowed methods when unknown
     _check_choice('fsplug.model.builder', plug.model.builder, builders.available())
-    _check_choice('fsplug.data.splitter', plug.data.splitter, splitters.available())
+    _check_choice('data.splitter', cfg.data.splitter, splitters.available())
     _check_choice('fsplug.data.prompt', plug.data.prompt, ['alpaca', 'plain'])
     _check_choice('fsplug.model.dtype', plug.model.dtype, ['float32', 'bfloat16', 'float16'])
     if not 0.0 <= float(plug.data.test_fraction) < 1.0:
         raise ConfigError(f"fsplug.data.test_fraction must be in [0, 1), got "
                           f"{plug.data.test_fraction}")
-    if cfg.federate.client_num < 1 and plug.data.splitter != 'by_source':
+    if cfg.federate.client_num < 1 and cfg.data.splitter != 'by_source':
         raise ConfigError("federate.client_num must be >= 1 (got "
                           f"{cfg.federate.client_num}); only the by_source splitter derives it")
     if cfg.federate.share_local_model:

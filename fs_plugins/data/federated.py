@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from fs_plugins import config as config_mod
 from fs_plugins.data import splitters
@@ -16,8 +17,9 @@ from fs_plugins.seeding import derive_seed
 logger = logging.getLogger(__name__)
 
 
-class RecordList(list):
-    """Raw records of one split; a list so that FS's trainer sees a sized dataset."""
+class RecordList(list, torch.utils.data.Dataset):
+    """Raw records of one split (tokenised by each client with its own tokenizer); a torch
+    Dataset so that FS's trainer accepts it."""
 
 
 @dataclass
@@ -57,17 +59,17 @@ def build_federated_records(cfg) -> FederatedRecords:
     records = load_records(resolve_data_path(cfg))
     if data_cfg.max_records:
         records = records[:int(data_cfg.max_records)]
-    parts = splitters.split(data_cfg.splitter, records, int(cfg.federate.client_num),
+    parts = splitters.split(cfg.data.splitter, records, int(cfg.federate.client_num),
                             derive_seed(cfg.seed, 'split'), field=data_cfg.split_field,
                             alpha=float(data_cfg.dirichlet_alpha),
                             min_size=int(data_cfg.min_client_size))
     names = (splitters.source_names(records, data_cfg.split_field)
-             if data_cfg.splitter == 'by_source' else [f'client_{i + 1}' for i in range(len(parts))])
+             if cfg.data.splitter == 'by_source' else [f'client_{i + 1}' for i in range(len(parts))])
     clients, client_names = {}, {}
     for cid, indices in enumerate(parts, start=1):
         if not indices:
             raise ValueError(f"Client {cid} received no records from the "
-                             f"'{data_cfg.splitter}' split; use fewer clients")
+                             f"'{cfg.data.splitter}' split; use fewer clients")
         train_idx, test_idx = _train_test(indices, float(data_cfg.test_fraction), cfg.seed, cid)
         clients[cid] = {'train': RecordList(records[i] for i in train_idx),
                         'test': RecordList(records[i] for i in test_idx)}

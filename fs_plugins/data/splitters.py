@@ -24,7 +24,7 @@ def available() -> list[str]:
 
 def split(name: str, records: list[dict], client_num: int, seed: int, **kwargs) -> list[list[int]]:
     if name not in _SPLITTERS:
-        raise ConfigError(f"fsplug.data.splitter = '{name}' is not one of: {', '.join(available())}")
+        raise ConfigError(f"data.splitter = '{name}' is not one of: {', '.join(available())}")
     return _SPLITTERS[name](records, client_num, seed, **kwargs)
 
 
@@ -42,6 +42,7 @@ def split_iid(records, client_num, seed, **_):
     return [sorted(part.tolist()) for part in np.array_split(order, client_num)]
 
 
+@register_splitter('lda')  # FS's name for the same split
 @register_splitter('dirichlet')
 def split_dirichlet(records, client_num, seed, field='category', alpha=0.5, min_size=2,
                     max_tries=1000, **_):

@@ -1,0 +1,71 @@
+"""`trainer.type: fsplug` — FS-LLM's LLMTrainer with its training hooks delegating to the
+method's client procedure (`fs_plugins.client.ClientProcedure`), the way FS's own FedMeZO
+trainer extends LLMTrainer. FS's hook pipeline (regulariser, monitors, wrappers) stays."""
+from __future__ import annotations
+
+import math
+
+from federatedscope.core.trainers.context import CtxVar
+from federatedscope.core.trainers.enums import LIFECYCLE, MODE
+from federatedscope.llm.trainer.trainer import LLMTrainer
+
+from fs_plugins.fs.wire import decode_tensors
+
+
+class PluginTrainer(LLMTrainer):
+    procedure = None      # set by PluginClient right after construction
+    last_update = None    # the ClientUpdate of the latest local round
+
+    def bind(self, procedure) -> None:
+        self.procedure = procedure
+
+    def _hook_on_fit_start_init(self, ctx):
+        if ctx.cur_mode in (MODE.TRAIN, MODE.FINETUNE):
+            steps = self.procedure.begin_round()
+            ctx.optimizer, ctx.scheduler = self.procedure.optimizer, self.procedure.scheduler
+            # the procedure owns the batch stream: one pass of `steps` batches per round
+            ctx.num_train_epoch, ctx.num_train_batch = 1, steps
+            ctx.num_train_batch_last_epoch, ctx.num_total_train_batch = steps, steps
+        ctx.loss_batch_total = CtxVar(0., LIFECYCLE.ROUTINE)
+        ctx.loss_regular_total = CtxVar(0., LIFECYCLE.ROUTINE)
+        ctx.num_samples = CtxVar(0, LIFECYCLE.ROUTINE)
+
+    def _hook_on_epoch_start(self, ctx):
+        pass
+
+    def _hook_on_batch_start_init(self, ctx):
+        ctx.data_batch = CtxVar(self.procedure.next_batch(), LIFECYCLE.BATCH)
+
+    def _hook_on_batch_forward(self, ctx):
+        loss = self.procedure.compute_loss(ctx.data_batch)
+        ctx.skip_this_batch = CtxVar(not bool(loss.isfinite()), LIFECYCLE.BATCH)
+        ctx.loss_batch = CtxVar(loss, LIFECYCLE.BATCH)
+        ctx.batch_size = CtxVar(int(ctx.data_batch['input_ids'].shape[0]), LIFECYCLE.BATCH)
+
+    def _hook_on_batch_backward(self, ctx):
+        self.procedure.optimise(ctx.loss_task)
+
+    def _hook_on_batch_end(self, ctx):
+        loss_value = ctx.loss_batch.item()
+        self.procedure.record(loss_value, ctx.batch_size)
+        if math.isfinite(loss_value):
+            ctx.num_samples += ctx.batch_size
+            ctx.loss_batch_total += loss_value * ctx.batch_size
+
+    def _hook_on_fit_end(self, ctx):
+        if ctx.cur_mode in (MODE.TRAIN, MODE.FINETUNE):
+            self.last_update = self.procedure.end_round()
+            ctx.eval_metrics = dict(self.last_update.metrics)
+
+    def evaluate(self, target_data_split_name='test'):
+        return self.procedure.evaluate(target_data_split_name)
+
+    def update(self, model_parameters, strict=False):
+        """Server content (a personalised or shared state) goes through the method."""
+        self.procedure.receive(decode_tensors(model_parameters))
+
+    def get_model_para(self):
+        if self.last_update is not None:
+            return dict(self.last_update.shared)
+        return {n: p.detach().cpu() for n, p in self.procedure.params.items()
+                if n in self.procedure.trainable_names and self.procedure.method.is_shared(n)}

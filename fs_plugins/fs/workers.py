@@ -1,0 +1,156 @@
+"""`federate.method: fsplug` — FS Client/Server subclasses that run the method's procedures.
+
+What they change in FS's flow, and why:
+- the model: FS's get_model returns a `DeferredModel` for '@fsplug_llm'; each worker builds
+  the real one from its full (client-specific) config, with the plugin's seeding;
+- the server holds only the global shared state (`GlobalState`), not a second LLM;
+- server -> client: one message per client with `method.content_for(state, client)`,
+  so content may be personalised; clients are sampled by the plugin's seeded sampler;
+- client -> server: shared parameters plus the method's extra payload and train metrics;
+- aggregation: `method.aggregate` on decoded updates (no FS aggregator involved);
+- `finish` is sent once (upstream sends it twice in distributed mode, which can hang).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+from federatedscope.core.message import Message
+from federatedscope.core.workers import Client, Server
+
+from fs_plugins.client import ClientProcedure
+from fs_plugins.fs.data import CLIENT_NAMES
+from fs_plugins.fs.wire import MARKER, decode_update, encode_tensors, encode_update
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.models.builders import build_model
+from fs_plugins.results import ResultsLog
+from fs_plugins.runtime import initial_shared_state, results_dir, run_info
+from fs_plugins.server import ServerProcedure
+
+logger = logging.getLogger(__name__)
+
+
+class DeferredModel(torch.nn.Module):
+    """Stands in for an '@fsplug_llm' model until a PluginClient/PluginServer builds it."""
+
+    def __init__(self, model_type: str):
+        super().__init__()
+        self.model_type = model_type
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"model.type '{self.model_type}' is built by the fsplug workers; "
+                           f"set federate.method: fsplug and trainer.type: fsplug")
+
+
+class GlobalState(torch.nn.Module):
+    """The server's 'model': the global shared tensors, with state_dict semantics so FS's
+    checkpointing (federate.save_to / restore_from) saves and restores them."""
+
+    def __init__(self, tensors: dict):
+        super().__init__()
+        self.tensors = OrderedDict(tensors)
+
+    def state_dict(self, *args, **kwargs):
+        return OrderedDict(self.tensors)
+
+    def load_state_dict(self, state_dict, strict=False):
+        self.tensors.update(state_dict)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError('The fsplug server holds only the global shared state; '
+                           'evaluation runs on the clients (federate.make_global_eval: False)')
+
+
+def _is_distributed(cfg) -> bool:
+    return cfg.federate.mode.lower() == 'distributed'
+
+
+def _torch_device(device):
+    return torch.device(f'cuda:{device}' if isinstance(device, int) else device)
+
+
+class PluginServer(Server):
+    def __init__(self, ID=-1, state=0, config=None, data=None, model=None, client_num=5,
+                 total_round_num=10, device='cpu', strategy=None, unseen_clients_id=None,
+                 **kwargs):
+        method = get_method_class(config.fsplug.method)(config)
+        model = GlobalState(initial_shared_state(config, method))
+        super().__init__(ID, state, config, data, model, client_num, total_round_num, device,
+                         strategy, unseen_clients_id, **kwargs)
+        results = ResultsLog(results_dir(config, outdir_is_final=True),
+                             run_info(config, 'federatedscope', CLIENT_NAMES))
+        # built after FS's __init__, which may have restored the global state from a checkpoint
+        self.procedure = ServerProcedure(config, method, model.state_dict(), results)
+        self._finish_sent = False
+
+    def broadcast_model_para(self, msg_type='model_para', sample_client_num=-1,
+                             filter_unseen_clients=True):
+        client_ids = sorted(self.comm_manager.get_neighbors().keys())
+        training = msg_type == 'model_para'
+        if training:
+            receivers = self.procedure.sample(self.state, client_ids)
+            if self.sampler is not None:
+                self.sampler.change_state(receivers, 'working')
+        else:
+            receivers = client_ids
+        rnd = self.state - 1 if msg_type == 'evaluate' else self.state
+        for cid in receivers:
+            content = self.procedure.content_for(cid, for_training=training)
+            self.comm_manager.send(Message(
+                msg_type=msg_type, sender=self.ID, receiver=[cid],
+                state=min(rnd, self.total_round_num), timestamp=self.cur_timestamp,
+                content=encode_tensors(content, _is_distributed(self._cfg))))
+
+    def _perform_federated_aggregation(self):
+        buffer = self.msg_buffer['train'][self.state]
+        updates = [decode_update(cid, n, content) for cid, (n, content) in buffer.items()]
+        if self.staled_msg_buffer:
+            logger.warning(f'fsplug: ignoring {len(self.staled_msg_buffer)} stale update(s)')
+        self.procedure.aggregate(self.state, updates)
+        self.models[0].load_state_dict(self.procedure.state['global'])
+        return len(updates)
+
+    def callback_funcs_for_metrics(self, message):
+        self.procedure.results.log_eval(int(message.state), int(message.sender),
+                                        dict(message.content))
+        return super().callback_funcs_for_metrics(message)
+
+    def terminate(self, msg_type='finish'):
+        if self._finish_sent:
+            return
+        self._finish_sent = True
+        self.is_finish = True
+        self._monitor.finish_fl()
+        self.comm_manager.send(Message(
+            msg_type=msg_type, sender=self.ID,
+            receiver=list(self.comm_manager.neighbors.keys()), state=self.state,
+            timestamp=self.cur_timestamp, content={MARKER: 1}))
+        summary = self.procedure.results.close()
+        print(f'\nPer-client results ({self._cfg.fsplug.method}, FederatedScope '
+              f'{self._cfg.federate.mode}, seed {self._cfg.seed}):\n{summary}\n'
+              f'Files: {self.procedure.results.out_dir}/results.jsonl, results.csv, summary.md')
+
+
+class PluginClient(Client):
+    def __init__(self, ID=-1, server_id=None, state=-1, config=None, data=None, model=None,
+                 device='cpu', strategy=None, is_unseen_client=False, *args, **kwargs):
+        if _is_distributed(config) and ID == -1 and int(config.distribute.data_idx) > 0:
+            ID = int(config.distribute.data_idx)  # results and seeds follow the data, not join order
+        method = get_method_class(config.fsplug.method)(config)
+        built = build_model(config, method)
+        super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
+                         is_unseen_client, *args, **kwargs)
+        self.trainer.bind(ClientProcedure(self.ID, config, method, built, data,
+                                          _torch_device(device)))
+
+    def callback_funcs_for_model_para(self, message):
+        self.state = message.state
+        self.trainer.update(message.content)
+        self.trainer.train()
+        update = self.trainer.last_update
+        self.comm_manager.send(Message(
+            msg_type='model_para', sender=self.ID, receiver=[message.sender], state=self.state,
+            timestamp=self._gen_timestamp(init_timestamp=message.timestamp,
+                                          instance_number=update.num_samples),
+            content=(update.num_samples, encode_update(update, _is_distributed(self._cfg)))))

@@ -1,0 +1,75 @@
+"""fs-plugins: federated LoRA methods as FederatedScope-LLM plugins.
+
+Besides the package, the wheel ships `fs_plugins_autoload.pth`: at interpreter start it installs
+a tiny import hook that registers the plugins the moment FederatedScope's config module is
+imported (see fs_plugins/fs/autoload.py). Set FSPLUG_NO_AUTOLOAD=1 to turn it off.
+"""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+PTH_FILE = 'fs_plugins_autoload.pth'
+HERE = Path(__file__).parent
+
+
+class BuildPyWithPth(build_py):
+    """Regular wheels: put the .pth file at the root of site-packages."""
+
+    def run(self):
+        super().run()
+        self.copy_file(str(HERE / PTH_FILE), str(Path(self.build_lib, PTH_FILE)), preserve_mode=0)
+
+
+cmdclass = {'build_py': BuildPyWithPth}
+
+try:
+    from setuptools.command.editable_wheel import editable_wheel
+except ImportError:  # setuptools < 64 has no PEP 660 editable wheels
+    editable_wheel = None
+
+if editable_wheel is not None:
+    class EditableWheelWithPth(editable_wheel):
+        """`pip install -e .`: the editable wheel carries only path hooks, so add the .pth."""
+
+        def _create_wheel_file(self, bdist_wheel):
+            from wheel.wheelfile import WheelFile
+            wheel_path = super()._create_wheel_file(bdist_wheel)
+            with WheelFile(wheel_path, 'a') as wheel:
+                wheel.write(str(HERE / PTH_FILE), PTH_FILE)
+            return wheel_path
+
+    cmdclass['editable_wheel'] = EditableWheelWithPth
+
+setup(
+    name='fs-plugins',
+    version='0.1.0',
+    description='Federated LoRA methods (Fed-MoLE, FedMosaic, FedA2-LoRA, FLAME, SmartFed) '
+                'as FederatedScope-LLM plugins, with an embedded runner',
+    long_description=(HERE / 'README.md').read_text(encoding='utf-8') if (HERE / 'README.md').exists() else '',
+    long_description_content_type='text/markdown',
+    python_requires='>=3.10',
+    packages=find_packages(include=['fs_plugins', 'fs_plugins.*']),
+    install_requires=[
+        'torch>=2.1',
+        'transformers>=4.45',
+        'peft>=0.13',
+        'accelerate',
+        'datasets',
+        'tokenizers',
+        'safetensors',
+        'pyyaml',
+        'numpy',
+        'tqdm',
+    ],
+    extras_require={
+        'test': ['pytest'],
+        # what FederatedScope's llm branch needs at run time on modern Python (it is
+        # installed from its repository with --no-deps; see README)
+        'fs': ['protobuf', 'grpcio', 'grpcio-tools', 'yacs', 'fvcore', 'iopath', 'pympler',
+               'scipy', 'scikit-learn', 'pandas', 'tensorboard', 'tensorboardX'],
+    },
+    entry_points={'console_scripts': ['fs-plugins=fs_plugins.cli:main']},
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
