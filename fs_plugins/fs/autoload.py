@@ -53,8 +53,8 @@ class PluginFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-def install() -> None:
-    if os.environ.get(DISABLE_ENV, '').lower() in ('1', 'true', 'yes'):
+def install(force: bool = False) -> None:
+    if not force and os.environ.get(DISABLE_ENV, '').lower() in ('1', 'true', 'yes'):
         return
     if not any(isinstance(f, PluginFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, PluginFinder())

@@ -1,0 +1,36 @@
+"""Small YAMLs for tests, derived from the shipped tiny YAML."""
+import copy
+import os
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_YAML = os.path.join(REPO, 'yamls', 'fedavg', 'tiny.yaml')
+
+
+def deep_update(base: dict, update: dict) -> dict:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            deep_update(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def tiny_config(tmp_path, method='fedavg', rounds=2, steps=3, **updates) -> dict:
+    with open(TINY_YAML) as handle:
+        cfg = yaml.safe_load(handle)
+    deep_update(cfg, {
+        'expname': f'{method}_test', 'outdir': str(tmp_path / 'exp'),
+        'federate': {'total_round_num': rounds},
+        'data': {'root': str(tmp_path / 'data')},
+        'train': {'local_update_steps': steps},
+        'fsplug': {'method': method, 'results_dir': str(tmp_path / 'results')},
+    })
+    return deep_update(cfg, updates)
+
+
+def write_yaml(path, cfg: dict) -> str:
+    with open(path, 'w') as handle:
+        yaml.safe_dump(cfg, handle)
+    return str(path)
