@@ -24,7 +24,7 @@ def run_with_fs(cfg_path: str, client_cfg: str | None, opts: list[str]) -> None:
     import federatedscope
     main_py = os.path.join(os.path.dirname(federatedscope.__file__), 'main.py')
     argv = [main_py, '--cfg', cfg_path] + (['--client_cfg', client_cfg] if client_cfg else []) + opts
-    logger.info(f'fs-plugins: running through FederatedScope ({main_py})')
+    print(f'fs-plugins: running through FederatedScope ({main_py})', file=sys.stderr, flush=True)
     saved, sys.argv = sys.argv, argv
     try:
         runpy.run_path(main_py, run_name='__main__')

@@ -23,12 +23,24 @@ def _to_cfg_node(cls, values: dict):
     return node
 
 
+def _fill_missing(node, defaults: dict) -> None:
+    """Adds defaults absent from `node` (sub-nodes of methods registered by import_modules
+    after FS built its config)."""
+    from federatedscope.core.configs.config import CN
+    for key, value in defaults.items():
+        if key not in node:
+            node[key] = _to_cfg_node(CN, value) if isinstance(value, dict) else value
+        elif isinstance(value, dict) and isinstance(node[key], dict):
+            _fill_missing(node[key], value)
+
+
 def check_fs_cfg(cfg) -> None:
     """FS config check function: plugin keys and the FS keys the plugin needs."""
     if not cfg.fsplug.method:
         return
     _import_extra_modules(cfg.fsplug.import_modules)
     validate(cfg)
+    _fill_missing(cfg.fsplug, fsplug_defaults())
     for key, expected in (('trainer.type', PLUGIN_TRAINER_TYPE),
                           ('federate.method', PLUGIN_FEDERATE_METHOD)):
         section, name = key.split('.')

@@ -1,0 +1,174 @@
+"""Runs through real FederatedScope (`python federatedscope/main.py`) when it is importable:
+standalone and distributed (127.0.0.1), each compared number for number with the embedded
+runner. Skipped, with the reason, on machines without FederatedScope."""
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fs_plugins.config import load_config
+from fs_plugins.sim.runner import run_embedded
+from helpers import deep_update, tiny_config, write_yaml
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec('federatedscope') is None,
+    reason='FederatedScope is not installed (install its llm branch to run these, see README)')
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TOY = {'fsplug': {'import_modules': ['toy_methods'], 'toy_phased': {'first_phase_steps': 1}}}
+
+
+def fs_root() -> str:
+    import federatedscope
+    return os.path.dirname(os.path.dirname(federatedscope.__file__))
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get('PYTHONPATH', '')]))
+    env.update(extra)
+    return env
+
+
+def run_fs(args, timeout=300, **env):
+    return subprocess.run([sys.executable, 'federatedscope/main.py'] + args, cwd=fs_root(),
+                          env=_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def read_rows(results_dir):
+    with open(os.path.join(results_dir, 'results.jsonl')) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def assert_same_numbers(fs_rows, emb_rows):
+    key = lambda r: (r['kind'], r['round'], r['client'])  # noqa: E731
+    fs_rows, emb_rows = sorted(fs_rows, key=key), sorted(emb_rows, key=key)
+    assert [key(r) for r in fs_rows] == [key(r) for r in emb_rows]
+    for a, b in zip(fs_rows, emb_rows):
+        assert set(a) == set(b)
+        for name, value in a.items():
+            if isinstance(value, float):
+                assert value == pytest.approx(b[name], rel=1e-5, abs=1e-6), (key(a), name)
+            else:
+                assert value == b[name], (key(a), name)
+
+
+def _embedded_rows(tmp_path, cfg_dict):
+    cfg_dict = deep_update(json.loads(json.dumps(cfg_dict)),
+                           {'fsplug': {'results_dir': str(tmp_path / 'embedded')}})
+    run_embedded(load_config(write_yaml(tmp_path / 'embedded.yaml', cfg_dict)))
+    return read_rows(str(tmp_path / 'embedded'))
+
+
+@pytest.mark.parametrize('method', ['fedavg', 'standalone', 'toy_phased'])
+def test_fs_standalone_matches_embedded(tmp_path, method):
+    cfg = tiny_config(tmp_path, method, rounds=2, steps=3)
+    if method == 'toy_phased':
+        deep_update(cfg, TOY)
+    deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
+    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'Per-client results' in proc.stdout
+    assert_same_numbers(read_rows(str(tmp_path / 'fs')), _embedded_rows(tmp_path, cfg))
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(('127.0.0.1', 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _wait_for_port(port, proc, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as sock:
+            if sock.connect_ex(('127.0.0.1', port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f'FS server did not listen on 127.0.0.1:{port} within {timeout}s')
+
+
+def test_fs_distributed_matches_embedded(tmp_path):
+    """Server + 2 clients over gRPC on 127.0.0.1, with client-local state and extra payloads
+    (toy_phased); bounded in time; same numbers as the embedded runner."""
+    base = deep_update(tiny_config(tmp_path, 'toy_phased', rounds=2, steps=3,
+                                   federate={'client_num': 2, 'sample_client_num': 2},
+                                   data={'splitter': 'iid'}), TOY)
+    server_port, *client_ports = _free_ports(3)
+    procs = []
+    for role, idx, port in [('server', 0, server_port), ('client', 1, client_ports[0]),
+                            ('client', 2, client_ports[1])]:
+        cfg = deep_update(json.loads(json.dumps(base)), {
+            'federate': {'mode': 'distributed'},
+            'fsplug': {'results_dir': str(tmp_path / f'dist_{role}{idx}')},
+            'distribute': {'use': True, 'role': role, 'data_idx': idx,
+                           'server_host': '127.0.0.1', 'server_port': server_port,
+                           'client_host': '127.0.0.1', 'client_port': port}})
+        path = write_yaml(tmp_path / f'{role}{idx}.yaml', cfg)
+        log = open(tmp_path / f'{role}{idx}.log', 'w')  # files, not pipes: no pipe can fill up
+        procs.append(subprocess.Popen([sys.executable, 'federatedscope/main.py', '--cfg', path],
+                                      cwd=fs_root(), env=_env(), stdout=log,
+                                      stderr=subprocess.STDOUT, text=True))
+        if role == 'server':  # FS clients do not retry joining: start them once it listens
+            _wait_for_port(server_port, procs[0], timeout=120)
+    try:
+        for proc in procs:
+            proc.wait(timeout=240)
+    finally:
+        for proc in procs:
+            proc.kill()
+    outputs = [open(tmp_path / f'{name}.log').read() for name in ('server0', 'client1', 'client2')]
+    assert all(p.returncode == 0 for p in procs), outputs[0][-3000:]
+    assert outputs[0].count('Per-client results') == 1
+    assert_same_numbers(read_rows(str(tmp_path / 'dist_server0')), _embedded_rows(tmp_path, base))
+
+
+def test_cli_runs_through_fs(tmp_path):
+    cfg = tiny_config(tmp_path, 'fedavg', rounds=1, steps=2)
+    proc = subprocess.run([sys.executable, '-m', 'fs_plugins.cli', 'run', '--cfg',
+                           write_yaml(tmp_path / 'c.yaml', cfg), 'seed', '3'],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'running through FederatedScope' in proc.stderr + proc.stdout
+    info = json.load(open(tmp_path / 'results' / 'run_info.json'))
+    assert info['runner'] == 'federatedscope' and info['seed'] == 3
+
+
+def test_unknown_client_in_client_cfg_is_named(tmp_path):
+    cfg_path = write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, 'fedavg', rounds=1, steps=1))
+    client_cfg = write_yaml(tmp_path / 'clients.yaml', {'client_7': {'seed': 1}})
+    proc = run_fs(['--cfg', cfg_path, '--client_cfg', client_cfg])
+    assert proc.returncode != 0 and 'client_7' in proc.stderr
+
+
+def test_unknown_plugin_key_fails_at_load(tmp_path):
+    cfg = tiny_config(tmp_path, 'fedavg', fsplug={'model': {'lora': {'rnak': 4}}})
+    proc = run_fs(['--cfg', write_yaml(tmp_path / 'c.yaml', cfg)])
+    assert proc.returncode != 0 and "fsplug.model.lora.rnak" in proc.stderr
+    assert 'alpha, dropout, r, target_modules' in proc.stderr
+
+
+def test_autoload_can_be_turned_off(tmp_path):
+    cfg_path = write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, 'fedavg', rounds=1, steps=1))
+    # without the hook FS needs the slow pure-Python protobuf even to start, and then
+    # does not know the plugin's keys
+    proc = run_fs(['--cfg', cfg_path], FSPLUG_NO_AUTOLOAD='1',
+                  PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION='python')
+    assert proc.returncode != 0 and 'Non-existent config key: fsplug' in proc.stderr
+
+
+def test_grpc_module_is_regenerated_into_cache(tmp_path):
+    code = ('import federatedscope.core.proto.gRPC_comm_manager_pb2 as m, os;'
+            'print(m.__file__); m.MessageRequest()')
+    proc = subprocess.run([sys.executable, '-c', code], env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith(os.environ['FSPLUG_CACHE'])
