@@ -44,6 +44,7 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
         total = int(cfg.federate.total_round_num)
         progress = tqdm(range(total), desc=f'{cfg.fsplug.method} rounds', unit='round')
         for round_idx in progress:
+            logger.info(f'Starting round #{round_idx}')
             updates = []
             for cid in server.sample(round_idx, clients):
                 clients[cid].receive(server.content_for(cid))
