@@ -95,6 +95,7 @@ class ClientProcedure:
             return False
         self.optimizer.zero_grad(set_to_none=True)  # frozen phases keep grad None: no update
         loss.backward()
+        self.method.before_optimizer_step(self.model, self.state)
         clip = float(self.cfg.grad.grad_clip)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_([self.params[n] for n in self.trainable_names], clip)

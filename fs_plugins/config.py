@@ -70,6 +70,10 @@ CORE_DEFAULTS: dict[str, Any] = {
         'builder': 'causal_lm',
         'dtype': 'float32',
         'local_files_only': False,
+        # 'lora' (with use_rslora for rsLoRA) or 'vera' (shared frozen random projections,
+        # trained per-layer scaling vectors); both on lora.target_modules
+        'adapter': 'lora',
+        'vera': {'r': 256, 'd_initial': 0.1},
         'lora': {
             'r': 8,
             'alpha': 16,
@@ -179,6 +183,7 @@ def validate(cfg) -> None:
     _check_choice('fsplug.model.builder', plug.model.builder, builders.available())
     _check_choice('data.splitter', cfg.data.splitter, splitters.available())
     _check_choice('fsplug.data.prompt', plug.data.prompt, ['alpaca', 'plain'])
+    _check_choice('fsplug.model.adapter', plug.model.adapter, ['lora', 'vera'])
     _check_choice('fsplug.model.dtype', plug.model.dtype, ['float32', 'bfloat16', 'float16'])
     if not 0.0 <= float(plug.data.test_fraction) < 1.0:
         raise ConfigError(f"fsplug.data.test_fraction must be in [0, 1), got "
@@ -254,7 +259,7 @@ def load_config(path: str | None = None, opts: list[str] | None = None,
     layers += [overrides] if overrides else []
     layers += [parse_opts(opts)] if opts else []
     for layer in layers:  # modules first: they may register methods the schema must know
-        _import_extra_modules(layer.get('fsplug', {}).get('import_modules', []))
+        import_extra_modules(layer.get('fsplug', {}).get('import_modules', []))
     merged = copy.deepcopy(FS_DEFAULTS)
     merged['fsplug'] = fsplug_defaults()
     for layer in layers:
@@ -266,7 +271,7 @@ def load_config(path: str | None = None, opts: list[str] | None = None,
     return cfg
 
 
-def _import_extra_modules(modules) -> None:
+def import_extra_modules(modules) -> None:
     import importlib
     for name in modules or []:
         try:

@@ -8,7 +8,7 @@ import logging
 
 from fs_plugins.metrics import REPORTED_METRICS, next_token_accuracy
 from fs_plugins.config import (MODEL_TYPE_SUFFIX, PLUGIN_FEDERATE_METHOD, PLUGIN_TRAINER_TYPE,
-                               ConfigError, _import_extra_modules, fsplug_defaults, validate)
+                               ConfigError, import_extra_modules, fsplug_defaults, validate)
 
 logger = logging.getLogger(__name__)
 _REGISTERED = False
@@ -38,7 +38,7 @@ def check_fs_cfg(cfg) -> None:
     """FS config check function: plugin keys and the FS keys the plugin needs."""
     if not cfg.fsplug.method:
         return
-    _import_extra_modules(cfg.fsplug.import_modules)
+    import_extra_modules(cfg.fsplug.import_modules)
     validate(cfg)
     _fill_missing(cfg.fsplug, fsplug_defaults())
     for key, expected in (('trainer.type', PLUGIN_TRAINER_TYPE),

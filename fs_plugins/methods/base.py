@@ -48,6 +48,9 @@ class Method:
     name: ClassVar[str] = ''
     # hyper-parameters under `fsplug.<name>`, with the paper's defaults
     defaults: ClassVar[dict] = {}
+    # True when the method changes frozen base weights (then clients of one process must not
+    # share them)
+    modifies_frozen_weights: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -73,11 +76,16 @@ class Method:
     def loss(self, model: torch.nn.Module, batch: dict, state: dict) -> torch.Tensor:
         return model(**batch).loss
 
+    def before_optimizer_step(self, model: torch.nn.Module, state: dict) -> None:
+        """Called after backward, before gradient clipping and the optimiser step
+        (e.g. to correct gradients with control variates)."""
+
     def after_step(self, model: torch.nn.Module, state: dict) -> None:
         """Called after every optimiser step (e.g. to accumulate activation counts)."""
 
     def client_extra(self, model: torch.nn.Module, state: dict) -> dict[str, torch.Tensor]:
-        """Payload sent beside the shared parameters."""
+        """Payload sent beside the shared parameters, computed at the end of a local round
+        (it may update `state`, e.g. a control variate)."""
         return {}
 
     def receive(self, model: torch.nn.Module, content: dict[str, torch.Tensor],

@@ -1,5 +1,6 @@
 """Builds a client's (or the server's) model from its config: base model + tokenizer from a
-builder, LoRA through peft with a seeded initialisation, then the method's `adapt_model`."""
+builder, LoRA (or rsLoRA, VeRA) through peft with a seeded initialisation, then the method's
+`adapt_model`."""
 from __future__ import annotations
 
 import logging
@@ -66,18 +67,30 @@ def load_tiny_llama(cfg, path: str):
     return load_causal_lm(cfg, directory)
 
 
-def inject_lora(model: torch.nn.Module, lora_cfg, seed: int) -> torch.nn.Module:
-    from peft import LoraConfig, TaskType, get_peft_model
-    config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=int(lora_cfg.r),
-                        lora_alpha=float(lora_cfg.alpha), lora_dropout=float(lora_cfg.dropout),
-                        target_modules=list(lora_cfg.target_modules),
-                        use_rslora=bool(lora_cfg.use_rslora))
+def adapter_config(model_cfg, seed: int):
+    """peft config for fsplug.model.adapter: LoRA (optionally rsLoRA) or VeRA."""
+    from peft import LoraConfig, TaskType, VeraConfig
+    lora_cfg = model_cfg.lora
+    if model_cfg.adapter == 'vera':
+        return VeraConfig(task_type=TaskType.CAUSAL_LM, r=int(model_cfg.vera.r),
+                          target_modules=list(lora_cfg.target_modules),
+                          vera_dropout=float(lora_cfg.dropout),
+                          d_initial=float(model_cfg.vera.d_initial), projection_prng_key=seed)
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=int(lora_cfg.r),
+                      lora_alpha=float(lora_cfg.alpha), lora_dropout=float(lora_cfg.dropout),
+                      target_modules=list(lora_cfg.target_modules),
+                      use_rslora=bool(lora_cfg.use_rslora))
+
+
+def inject_adapter(model: torch.nn.Module, model_cfg, seed: int) -> torch.nn.Module:
+    from peft import get_peft_model
+    config = adapter_config(model_cfg, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             return get_peft_model(model, config)
         except ValueError as exc:
-            raise ConfigError(f"fsplug.model.lora.target_modules = {list(lora_cfg.target_modules)}"
+            raise ConfigError(f"fsplug.model.lora.target_modules = {list(model_cfg.lora.target_modules)}"
                               f" does not match the model: {exc}") from exc
 
 
@@ -101,7 +114,7 @@ class BuiltModel:
     trainable_names: list[str]
 
 
-def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
+def build_model(cfg, method) -> BuiltModel:
     """The model for one participant with config `cfg` (a client's config under --client_cfg).
 
     Adapter initialisation depends only on cfg.seed, so every runner and process builds the
@@ -114,11 +127,11 @@ def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
     base, tokenizer = _BUILDERS[builder_name](cfg, path)
     for param in base.parameters():
         param.requires_grad_(False)
-    model = inject_lora(base, cfg.fsplug.model.lora, derive_seed(cfg.seed, 'adapter'))
+    model = inject_adapter(base, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))
         model = method.adapt_model(model, cfg)
-    if share_frozen:
+    if not method.modifies_frozen_weights:
         share_frozen_tensors(model, (builder_name, path, cfg.fsplug.model.dtype))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
