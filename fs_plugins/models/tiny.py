@@ -14,7 +14,12 @@ from fs_plugins.data.builtin import tiny_tasks_records
 from fs_plugins.data.instruction import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
 
 TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                   # larger than Llama's 0.02 so the frozen random head can express confident
+                   # predictions; with 0.02 the logits stay nearly flat whatever LoRA learns
+                   initializer_range=0.2)
+# bump when TINY_CONFIG or the tokenizer corpus changes, so stale caches are not reused
+TINY_DIR_NAME = 'tiny-llama-v2'
 SPECIAL_TOKENS = {'bos_token': '<s>', 'eos_token': '</s>', 'pad_token': '<pad>', 'unk_token': '<unk>'}
 
 
@@ -56,7 +61,7 @@ def build_tiny_llama_dir(path: str, seed: int = 1234) -> None:
 
 def ensure_tiny_llama(path: str | None = None) -> str:
     """Returns the directory of the tiny model, building it there first if needed."""
-    path = path or os.path.join(cache_dir(), 'tiny-llama')
+    path = path or os.path.join(cache_dir(), TINY_DIR_NAME)
     if os.path.isfile(os.path.join(path, 'config.json')):
         return path
     parent = os.path.dirname(os.path.abspath(path))
