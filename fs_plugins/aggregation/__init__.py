@@ -1,2 +1,5 @@
 """Aggregation maths as pure functions over tensors (no orchestration, no FS import)."""
 from fs_plugins.aggregation.average import weighted_average  # noqa: F401
+from fs_plugins.aggregation.lora import (  # noqa: F401
+    fed_a2, fed_a2_naive, flexlora, hetlora_pad, hetlora_truncate, lora_delta_norm,
+)

@@ -1,0 +1,376 @@
+"""Server-side aggregation of LoRA factors, as pure functions over tensors.
+
+Conventions (all functions):
+
+* Client k sends A_k of shape (r_k, d_in) and B_k of shape (d_out, r_k); its update is
+  ΔW_k = B_k A_k (d_out × d_in).
+* ``weights`` are non-negative per-client weights (e.g. sample counts n_k); they need not sum
+  to 1 and are normalised with :func:`fs_plugins.aggregation.average.normalise_weights` into
+  p_k = w_k / Σ_j w_j.
+* Arithmetic is done in float32 ("compute dtype"), or float64 when any input is float64;
+  results are cast back to the input dtype (that of ``As[0]`` for A factors, ``Bs[0]`` for B
+  factors). bfloat16/float16 inputs are therefore computed in float32. A few small
+  (r × r or r × d) quantities are deliberately formed in float64; each function says where
+  and why.
+* Nothing is done in place; inputs are never modified.
+* Malformed inputs raise ValueError naming the offending client index and shapes.
+
+Functions: :func:`fed_a2` (FedA²-LoRA analytical aggregation, never forms a d_out × d_in
+matrix) and its materialising reference :func:`fed_a2_naive`, :func:`flexlora` (SVD
+redistribution for heterogeneous ranks), :func:`hetlora_pad` / :func:`hetlora_truncate`
+(HetLoRA zero-padding aggregation), and :func:`lora_delta_norm` (‖B A‖_F without B A).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from fs_plugins.aggregation.average import normalise_weights
+
+__all__ = [
+    'fed_a2', 'fed_a2_naive', 'flexlora', 'hetlora_pad', 'hetlora_truncate', 'lora_delta_norm',
+    'FED_A2_COND_THRESHOLD', 'FED_A2_RIDGE_EPS',
+]
+
+#: lam=None: A Aᵀ (computed in float64) counts as well conditioned, and λ = 0 is used, when
+#: its condition number λ_max/λ_min is below this. 1e6 leaves ~10 significant digits of the
+#: float64 solve intact, and is far below the ~1e7 relative noise floor of float32 factors,
+#: so a float32-trained A that is "numerically rank deficient" is caught.
+FED_A2_COND_THRESHOLD = 1e6
+#: lam=None fallback ridge: λ = FED_A2_RIDGE_EPS · trace(A Aᵀ) / r (i.e. eps times the mean
+#: eigenvalue of A Aᵀ), which bounds cond(A Aᵀ + λ I) by about r / eps.
+FED_A2_RIDGE_EPS = 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_factors(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor],
+                   weights: Optional[Sequence[float]], same_rank: bool) -> Tuple[List[int], int, int]:
+    """Validate client factors; returns (ranks, d_in, d_out)."""
+    if len(As) == 0:
+        raise ValueError('No clients: As is empty')
+    if len(As) != len(Bs):
+        raise ValueError(f'{len(As)} A factors but {len(Bs)} B factors')
+    if weights is not None and len(weights) != len(As):
+        raise ValueError(f'{len(As)} clients but {len(weights)} weights')
+    ranks = []
+    for k, (A, B) in enumerate(zip(As, Bs)):
+        for name, t in (('A', A), ('B', B)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f'client {k}: {name} is a {type(t).__name__}, not a tensor')
+            if t.dim() != 2:
+                raise ValueError(f'client {k}: {name} must be 2-D, got shape {tuple(t.shape)}')
+            if not t.is_floating_point():
+                raise ValueError(f'client {k}: {name} has non-floating dtype {t.dtype}')
+        if B.shape[1] != A.shape[0]:
+            raise ValueError(f'client {k}: A has shape {tuple(A.shape)} (r, d_in) but B has shape '
+                             f'{tuple(B.shape)} (d_out, r); their ranks differ')
+        if A.shape[0] == 0:
+            raise ValueError(f'client {k}: rank 0 (A has shape {tuple(A.shape)})')
+        ranks.append(int(A.shape[0]))
+    d_in, d_out = int(As[0].shape[1]), int(Bs[0].shape[0])
+    for k, (A, B) in enumerate(zip(As, Bs)):
+        if A.shape[1] != d_in:
+            raise ValueError(f'client {k}: A has shape {tuple(A.shape)}, expected d_in={d_in} '
+                             f'(client 0 A: {tuple(As[0].shape)})')
+        if B.shape[0] != d_out:
+            raise ValueError(f'client {k}: B has shape {tuple(B.shape)}, expected d_out={d_out} '
+                             f'(client 0 B: {tuple(Bs[0].shape)})')
+        if same_rank and ranks[k] != ranks[0]:
+            raise ValueError(f'client {k}: rank {ranks[k]} (A {tuple(A.shape)}, B {tuple(B.shape)}) '
+                             f'differs from client 0 rank {ranks[0]}; use hetlora_pad or flexlora '
+                             f'for heterogeneous ranks')
+    return ranks, d_in, d_out
+
+
+def _average_A(As: Sequence[torch.Tensor], p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Σ p_k A_k accumulated in `dtype` (same arithmetic as weighted_average)."""
+    acc = torch.zeros(As[0].shape, dtype=dtype, device=As[0].device)
+    for pk, A in zip(p.tolist(), As):
+        acc += pk * A.detach().to(dtype)
+    return acc
+
+
+def _check_lam(lam) -> float:
+    try:
+        value = float(lam)
+    except (TypeError, ValueError):
+        raise ValueError(f'lam must be None or a float >= 0, got {lam!r}') from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f'lam must be None or a finite float >= 0, got {lam!r}')
+    return value
+
+
+def _resolve_lam(G: torch.Tensor, lam) -> float:
+    """The ridge λ used by fed_a2 / fed_a2_naive for the float64 Gram matrix G = A Aᵀ.
+
+    lam given: used as is (validated ≥ 0). lam=None: λ = 0 if cond(G) = λ_max/λ_min <
+    FED_A2_COND_THRESHOLD (eigenvalues by eigvalsh, λ_min <= 0 counts as infinitely ill
+    conditioned), else λ = FED_A2_RIDGE_EPS · trace(G)/r. If G = 0 (A is all zeros), λ = 1,
+    which makes B = 0, the minimum-norm minimiser (B A = 0 for every B).
+    """
+    if lam is not None:
+        return _check_lam(lam)
+    r = G.shape[0]
+    trace = float(torch.diagonal(G).sum())
+    if trace <= 0.0:
+        return 1.0
+    eig = torch.linalg.eigvalsh(G)
+    lo, hi = float(eig[0]), float(eig[-1])
+    if lo > 0.0 and hi / lo < FED_A2_COND_THRESHOLD:
+        return 0.0
+    return FED_A2_RIDGE_EPS * trace / r
+
+
+# --------------------------------------------------------------------------------------------
+# FedA²-LoRA
+# --------------------------------------------------------------------------------------------
+
+def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
+           lam: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FedA²-LoRA analytical aggregation, without ever forming a d_out × d_in matrix.
+
+    With p = normalise_weights(weights)::
+
+        A = Σ_k p_k A_k                                   (= FedAvg of the A's)
+        B = argmin_B ‖B A − Σ_k p_k B_k A_k‖²_F + λ ‖B‖²_F
+          = (U Aᵀ) (A Aᵀ + λ I_r)⁻¹,   U = Σ_k p_k B_k A_k,
+        U Aᵀ = Σ_k p_k B_k (A_k Aᵀ)                       (d_out × r, U itself is never built)
+
+    and B = solve(G, (U Aᵀ)ᵀ)ᵀ with G = A Aᵀ + λ I (symmetric, r × r), i.e. the system is
+    solved from the right.
+
+    Cost O(K r² (d_in + d_out)) time; extra memory O(r (d_in + d_out)): per client one float64
+    copy of A_k and B_k plus r × r and d_out × r accumulators.
+
+    Precision: A is accumulated in the compute dtype (float32, float64 for float64 inputs), so it
+    equals FedAvg's A. The r-dimensional quantities A_k Aᵀ, A Aᵀ, U Aᵀ and the solve are done in
+    float64: when A Aᵀ is ill conditioned, rounding in U Aᵀ is amplified by up to cond(G), and
+    float32 rounding (~1e-7) would dominate the solution; in float64 these quantities are still
+    only O(r (d_in + d_out)) in size.
+
+    lam:
+      * a float ≥ 0: used as is. lam = 0 with a singular A Aᵀ raises ValueError.
+      * None (default): λ = 0 if cond(A Aᵀ) < FED_A2_COND_THRESHOLD (1e6, float64 eigenvalues),
+        otherwise the ridge fallback λ = FED_A2_RIDGE_EPS · trace(A Aᵀ)/r (eps = 1e-6, i.e.
+        1e-6 × the mean eigenvalue of A Aᵀ). A ridge is used rather than a pseudo-inverse because
+        it is continuous in the data (pinv jumps when a singular value crosses its cut-off),
+        keeps the single symmetric solve above, and is deterministic. If A is exactly zero,
+        B = 0 (the minimum-norm minimiser).
+
+    Returns (A, B) in the dtypes of As[0] and Bs[0]. All clients must share the rank r.
+    """
+    _check_factors(As, Bs, weights, same_rank=True)
+    p = normalise_weights(weights)
+    cdtype = _compute_dtype(*As, *Bs)
+    A = _average_A(As, p, cdtype)
+    A64 = A.to(torch.float64)
+    G = A64 @ A64.T                                            # r × r
+    UAt = torch.zeros(Bs[0].shape, dtype=torch.float64, device=A.device)   # d_out × r
+    for pk, Ak, Bk in zip(p.tolist(), As, Bs):
+        Gk = Ak.detach().to(torch.float64) @ A64.T             # A_k Aᵀ, r × r
+        UAt.addmm_(Bk.detach().to(torch.float64), Gk, alpha=pk)
+    lam_used = _resolve_lam(G, lam)
+    if lam_used:
+        G = G + lam_used * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
+    try:
+        B = torch.linalg.solve(G, UAt.T).T
+    except RuntimeError as err:                                 # exactly singular, lam = 0
+        raise ValueError(f'fed_a2: A Aᵀ + {lam_used} I is singular (r={G.shape[0]}); '
+                         f'use lam=None or lam > 0 ({err})') from None
+    return A.to(As[0].dtype), B.to(Bs[0].dtype)
+
+
+def fed_a2_naive(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
+                 lam: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reference FedA²: materialises U = Σ_k p_k B_k A_k (d_out × d_in) and solves with lstsq.
+
+    Same problem and the same lam / lam=None rule as :func:`fed_a2` (λ is chosen from the same
+    float64 A Aᵀ, with A = Σ p_k A_k accumulated the same way), but solved independently:
+    B minimises ‖B A − U‖²_F + λ ‖B‖²_F, i.e. Bᵀ is the least-squares solution of the stacked
+    system
+
+        [ Aᵀ      ]  Bᵀ  =  [ Uᵀ ]        ((d_in + r) × r, right-hand sides d_out)
+        [ √λ I_r  ]         [ 0  ]
+
+    via torch.linalg.lstsq (QR based, no normal equations). U and the solve are in float64 so it
+    can serve as the accuracy reference. Cost O(K r d_in d_out) time, O(d_in d_out) memory.
+    Returns (A, B) in the dtypes of As[0] and Bs[0].
+    """
+    _check_factors(As, Bs, weights, same_rank=True)
+    p = normalise_weights(weights)
+    cdtype = _compute_dtype(*As, *Bs)
+    A = _average_A(As, p, cdtype)
+    A64 = A.to(torch.float64)
+    r, d_in = A64.shape
+    U = torch.zeros((Bs[0].shape[0], d_in), dtype=torch.float64, device=A.device)
+    for pk, Ak, Bk in zip(p.tolist(), As, Bs):
+        U.addmm_(Bk.detach().to(torch.float64), Ak.detach().to(torch.float64), alpha=pk)
+    lam_used = _resolve_lam(A64 @ A64.T, lam)
+    if lam_used:
+        lhs = torch.cat([A64.T, math.sqrt(lam_used) * torch.eye(r, dtype=torch.float64, device=A.device)])
+        rhs = torch.cat([U.T, torch.zeros((r, U.shape[0]), dtype=torch.float64, device=A.device)])
+    else:
+        lhs, rhs = A64.T, U.T
+    Bt = torch.linalg.lstsq(lhs, rhs).solution                # r × d_out
+    return A.to(As[0].dtype), Bt.T.to(Bs[0].dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# FlexLoRA
+# --------------------------------------------------------------------------------------------
+
+def flexlora(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
+             ranks: Optional[Sequence[int]] = None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """FlexLoRA: average the full updates, then hand each client a truncated SVD of its rank.
+
+    With p = normalise_weights(weights)::
+
+        ΔW = Σ_k p_k B_k A_k                  (d_out × d_in; forming it is inherent here)
+        ΔW = U S Vᵀ                           (thin SVD, torch.linalg.svd(full_matrices=False))
+        B'_j = U[:, :r_j] · diag(√S[:r_j])    (d_out × r_j)
+        A'_j = diag(√S[:r_j]) · Vᵀ[:r_j, :]   (r_j × d_in)
+
+    so B'_j A'_j is the best rank-r_j approximation of ΔW (Eckart–Young) and the singular values
+    are split evenly (√S on each side) between the two factors.
+
+    Clients may have different ranks (As[k] is (r_k, d_in), Bs[k] is (d_out, r_k)); d_in and
+    d_out must agree. ``ranks`` are the ranks to hand out, one entry per returned pair
+    (default: each client's own rank, [As[k].shape[0]]); each must satisfy
+    1 ≤ r_j ≤ min(d_in, d_out).
+
+    Sign convention (deterministic): each singular pair (U[:, i], Vᵀ[i, :]) is flipped so that
+    the entry of largest absolute value in U[:, i] (the first such entry on ties) is positive.
+    Singular vectors of repeated singular values remain as LAPACK returns them.
+
+    Computed in float32 (float64 if any input is float64). Returns a list of (A'_j, B'_j) in the
+    dtypes of As[0] and Bs[0].
+    """
+    client_ranks, d_in, d_out = _check_factors(As, Bs, weights, same_rank=False)
+    if ranks is None:
+        ranks = client_ranks
+    ranks = list(ranks)
+    max_rank = min(d_in, d_out)
+    for j, rj in enumerate(ranks):
+        if isinstance(rj, bool) or int(rj) != rj or not 1 <= int(rj) <= max_rank:
+            raise ValueError(f'ranks[{j}] = {rj!r}; expected an integer in [1, {max_rank}] '
+                             f'(min(d_in={d_in}, d_out={d_out}))')
+    p = normalise_weights(weights)
+    cdtype = _compute_dtype(*As, *Bs)
+    dW = torch.zeros((d_out, d_in), dtype=cdtype, device=As[0].device)
+    for pk, Ak, Bk in zip(p.tolist(), As, Bs):
+        dW.addmm_(Bk.detach().to(cdtype), Ak.detach().to(cdtype), alpha=pk)
+    U, S, Vh = torch.linalg.svd(dW, full_matrices=False)
+    top = max(int(r) for r in ranks) if ranks else 0
+    U, S, Vh = U[:, :top], S[:top], Vh[:top]
+    pivot = U.abs().argmax(dim=0)                                # first max on ties
+    sign = torch.sign(U.gather(0, pivot.unsqueeze(0)).squeeze(0))
+    sign = torch.where(sign == 0, torch.ones_like(sign), sign)
+    root = S.clamp_min(0).sqrt()
+    Bfull = U * (sign * root).unsqueeze(0)                       # d_out × top
+    Afull = Vh * (sign * root).unsqueeze(1)                      # top × d_in
+    return [(Afull[:int(r)].to(As[0].dtype).clone(), Bfull[:, :int(r)].to(Bs[0].dtype).clone())
+            for r in ranks]
+
+
+# --------------------------------------------------------------------------------------------
+# HetLoRA
+# --------------------------------------------------------------------------------------------
+
+def _delta_norm64(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    A64, B64 = A.detach().to(torch.float64), B.detach().to(torch.float64)
+    gram_b = B64.T @ B64                                         # r × r
+    gram_a = A64 @ A64.T                                         # r × r
+    # trace(X Y) = Σ_ij X_ij Y_ji = Σ_ij X_ij Y_ij for symmetric Y
+    return (gram_b * gram_a).sum().clamp_min(0).sqrt()
+
+
+def lora_delta_norm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """‖B A‖_F without forming B A.
+
+        ‖B A‖²_F = trace(Aᵀ Bᵀ B A) = trace((Bᵀ B)(A Aᵀ)) = Σ_ij (BᵀB)_ij (AAᵀ)_ij
+
+    with A (r, d_in), B (d_out, r): O(r² (d_in + d_out)) time, O(r²) extra memory (besides
+    float64 copies of the factors). The two r × r Gram matrices and the sum are computed in
+    float64 because the sum can cancel (when ‖B A‖ ≪ ‖B‖ ‖A‖), which float32 would resolve
+    poorly; the result is clamped at 0 before the square root. Returns a 0-dim tensor in the
+    promoted dtype of A and B.
+    """
+    for name, t in (('A', A), ('B', B)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f'{name} must be a 2-D tensor, got '
+                             f'{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}')
+    if B.shape[1] != A.shape[0]:
+        raise ValueError(f'A has shape {tuple(A.shape)} (r, d_in) but B has shape {tuple(B.shape)} '
+                         f'(d_out, r); their ranks differ')
+    return _delta_norm64(A, B).to(torch.promote_types(A.dtype, B.dtype))
+
+
+def hetlora_pad(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
+                sparsity_weighted: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """HetLoRA aggregation of mixed-rank clients by zero padding.
+
+    Every A_k (r_k, d_in) is zero-padded to (r_max, d_in) (extra rows) and every B_k
+    (d_out, r_k) to (d_out, r_max) (extra columns), r_max = max_k r_k, and then::
+
+        A = Σ_k p_k pad(A_k),   B = Σ_k p_k pad(B_k)
+
+    (so row i of A averages only clients with r_k > i, still with the full p_k denominators).
+
+    Weights:
+      * sparsity_weighted=False: p = normalise_weights(weights).
+      * sparsity_weighted=True (HetLoRA's sparsity-weighted aggregation): with
+        s_k = ‖B_k A_k‖_F (via :func:`lora_delta_norm`, never forming B_k A_k, in float64),
+        p_k = w_k s_k / Σ_j w_j s_j, w_k the given weights (e.g. sample counts n_k). If every
+        s_k with w_k > 0 is 0 (e.g. all B_k = 0 right after initialisation) the plain weights
+        are used instead.
+
+    Computed in float32 (float64 for float64 inputs). Returns (A, B) of shapes (r_max, d_in),
+    (d_out, r_max) in the dtypes of As[0] and Bs[0]. Clients then take
+    :func:`hetlora_truncate` of the result.
+    """
+    ranks, d_in, d_out = _check_factors(As, Bs, weights, same_rank=False)
+    p = normalise_weights(weights)
+    if sparsity_weighted:
+        norms = torch.stack([_delta_norm64(A, B) for A, B in zip(As, Bs)]).cpu()
+        scaled = p * norms
+        if float(scaled.sum()) > 0:
+            p = normalise_weights(scaled.tolist())
+    r_max = max(ranks)
+    cdtype = _compute_dtype(*As, *Bs)
+    device = As[0].device
+    A = torch.zeros((r_max, d_in), dtype=cdtype, device=device)
+    B = torch.zeros((d_out, r_max), dtype=cdtype, device=device)
+    for pk, Ak, Bk, rk in zip(p.tolist(), As, Bs, ranks):
+        A[:rk].add_(Ak.detach().to(cdtype), alpha=pk)
+        B[:, :rk].add_(Bk.detach().to(cdtype), alpha=pk)
+    return A.to(As[0].dtype), B.to(Bs[0].dtype)
+
+
+def hetlora_truncate(A_global: torch.Tensor, B_global: torch.Tensor,
+                     rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What a HetLoRA client of rank r receives: A = A_global[:r, :], B = B_global[:, :r].
+
+    A_global is (r_max, d_in), B_global (d_out, r_max), 1 ≤ rank ≤ r_max. Returns copies (not
+    views), in the input dtypes.
+    """
+    for name, t in (('A_global', A_global), ('B_global', B_global)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f'{name} must be a 2-D tensor, got '
+                             f'{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}')
+    if B_global.shape[1] != A_global.shape[0]:
+        raise ValueError(f'A_global has shape {tuple(A_global.shape)} but B_global has shape '
+                         f'{tuple(B_global.shape)}; their ranks differ')
+    r_max = A_global.shape[0]
+    if isinstance(rank, bool) or int(rank) != rank or not 1 <= int(rank) <= r_max:
+        raise ValueError(f'rank = {rank!r}; expected an integer in [1, {r_max}]')
+    rank = int(rank)
+    return A_global[:rank].clone(), B_global[:, :rank].clone()

@@ -1,0 +1,41 @@
+"""peft parameter naming: grouping LoRA factors by layer, and fitting factors to a rank."""
+from __future__ import annotations
+
+import torch
+
+A_TAG, B_TAG = '.lora_A.', '.lora_B.'
+
+
+def lora_pairs(keys) -> dict[str, tuple[str, str]]:
+    """{layer prefix: (A key, B key)} for every layer whose two factors are both in `keys`."""
+    keys = set(keys)
+    pairs = {}
+    for key in keys:
+        if A_TAG in key:
+            b_key = key.replace(A_TAG, B_TAG)
+            if b_key in keys:
+                pairs[key.split(A_TAG)[0]] = (key, b_key)
+    return dict(sorted(pairs.items()))
+
+
+def is_lora_a(key: str) -> bool:
+    return A_TAG in key
+
+
+def lora_rank(key: str, tensor: torch.Tensor) -> int:
+    """Rank of a LoRA factor: rows of A (r, d_in), columns of B (d_out, r)."""
+    return tensor.shape[0] if is_lora_a(key) else tensor.shape[1]
+
+
+def fit_rank(key: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """Truncates (keeps the first `rank` components) or zero-pads a LoRA factor to `rank`."""
+    current = lora_rank(key, tensor)
+    if current == rank:
+        return tensor
+    if is_lora_a(key):
+        if current > rank:
+            return tensor[:rank].clone()
+        return torch.cat([tensor, tensor.new_zeros(rank - current, tensor.shape[1])], dim=0)
+    if current > rank:
+        return tensor[:, :rank].clone()
+    return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], rank - current)], dim=1)

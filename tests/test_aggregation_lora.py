@@ -1,0 +1,357 @@
+"""LoRA-specific aggregation maths (fs_plugins.aggregation.lora) against naive references."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from fs_plugins.aggregation import (fed_a2, fed_a2_naive, flexlora, hetlora_pad, hetlora_truncate,
+                                    lora_delta_norm, weighted_average)
+from fs_plugins.aggregation.lora import FED_A2_COND_THRESHOLD, FED_A2_RIDGE_EPS
+
+SHAPES = [(24, 16), (10, 33)]          # (d_in, d_out), both d_in != d_out
+WEIGHTS = {
+    1: [[3.0], [0.5]],
+    3: [[1, 2, 3], [10, 0, 5]],
+    5: [[1, 1, 1, 1, 1], [7, 0.5, 0, 2, 30]],
+}
+
+
+def _clients(K, ranks, d_in, d_out, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if isinstance(ranks, int):
+        ranks = [ranks] * K
+    As = [torch.randn(r, d_in, generator=gen, dtype=torch.float64).to(dtype) for r in ranks]
+    Bs = [torch.randn(d_out, r, generator=gen, dtype=torch.float64).to(dtype) for r in ranks]
+    return As, Bs
+
+
+def _p(weights):
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    return w / w.sum()
+
+
+def _rel(x, y):
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm().clamp_min(1e-300))
+
+
+def _U(As, Bs, weights):
+    return sum(pk * B.double() @ A.double() for pk, A, B in zip(_p(weights), As, Bs))
+
+
+def _closed_form(As, Bs, weights, lam):
+    """B = U Aᵀ (A Aᵀ + lam I)⁻¹ with U materialised, explicit inverse, float64."""
+    A = sum(pk * A.double() for pk, A in zip(_p(weights), As))
+    G = A @ A.T + lam * torch.eye(A.shape[0], dtype=torch.float64)
+    return A, _U(As, Bs, weights) @ A.T @ torch.linalg.inv(G)
+
+
+def _ridge(A):
+    A = A.double()
+    return FED_A2_RIDGE_EPS * float(torch.trace(A @ A.T)) / A.shape[0]
+
+
+# ------------------------------------------------------------------------------ FedA²
+
+@pytest.mark.parametrize('K', [1, 3, 5])
+@pytest.mark.parametrize('r', [1, 4, 8])
+def test_fed_a2_matches_naive(r, K):
+    for d_in, d_out in SHAPES:
+        for weights in WEIGHTS[K]:
+            As, Bs = _clients(K, r, d_in, d_out, seed=r * 100 + K)
+            A, B = fed_a2(As, Bs, weights)
+            A_ref, B_ref = fed_a2_naive(As, Bs, weights)
+            assert A.shape == (r, d_in) and B.shape == (d_out, r)
+            assert torch.equal(A, A_ref)
+            assert _rel(B, B_ref) < 1e-4, (d_in, d_out, weights)
+            # A is exactly FedAvg's A
+            assert torch.equal(A, weighted_average([{'A': a} for a in As], weights)['A'])
+            # well conditioned here, so lam=None means lam=0: the closed form with explicit inverse
+            _, B_cf = _closed_form(As, Bs, weights, 0.0)
+            assert _rel(B, B_cf) < 1e-4
+
+
+@pytest.mark.parametrize('lam', [0.0, 0.1, 3.0])
+def test_fed_a2_given_lam_is_closed_form(lam):
+    for d_in, d_out in SHAPES:
+        As, Bs = _clients(3, 4, d_in, d_out, dtype=torch.float64, seed=7)
+        weights = [2, 1, 5]
+        A, B = fed_a2(As, Bs, weights, lam=lam)
+        A_cf, B_cf = _closed_form(As, Bs, weights, lam)
+        assert _rel(A, A_cf) < 1e-12
+        assert _rel(B, B_cf) < 1e-10
+        assert _rel(B, fed_a2_naive(As, Bs, weights, lam=lam)[1]) < 1e-10
+        # first-order optimality of ‖BA − U‖² + lam‖B‖²: (BA − U)Aᵀ + lam B = 0
+        U = _U(As, Bs, weights)
+        grad = (B @ A - U) @ A.T + lam * B
+        assert float(grad.norm()) < 1e-9 * float((U @ A.T).norm())
+
+
+def test_fed_a2_identical_A_gives_fedavg_B():
+    for K in (1, 3, 5):
+        As, Bs = _clients(K, 4, 40, 12, seed=K)
+        As = [As[0].clone() for _ in range(K)]
+        weights = WEIGHTS[K][1]
+        A, B = fed_a2(As, Bs, weights)
+        B_avg = sum(pk * b.double() for pk, b in zip(_p(weights), Bs))
+        assert _rel(B, B_avg) < 1e-5
+        assert _rel(A, As[0]) < 1e-6
+
+
+def _rank_deficient_cases():
+    d_in, d_out, r = 20, 14, 4
+    # identical A (shared by all clients) with two identical rows
+    As, Bs = _clients(3, r, d_in, d_out, seed=11)
+    shared = As[0].clone()
+    shared[1] = shared[0]
+    yield 'identical rows', [shared.clone() for _ in As], Bs
+    # every client's A has a zero row (different A's otherwise)
+    As, Bs = _clients(3, r, d_in, d_out, seed=12)
+    for a in As:
+        a[2] = 0
+    yield 'zero row', As, Bs
+    # generic: A_k = C_k M with M (r-2, d_in), float64, so A Aᵀ has rank r-2
+    gen = torch.Generator().manual_seed(13)
+    M = torch.randn(r - 2, d_in, generator=gen, dtype=torch.float64)
+    As = [torch.randn(r, r - 2, generator=gen, dtype=torch.float64) @ M for _ in range(3)]
+    Bs = [torch.randn(d_out, r, generator=gen, dtype=torch.float64) for _ in range(3)]
+    yield 'low rank span', As, Bs
+
+
+@pytest.mark.parametrize('case', ['identical rows', 'zero row', 'low rank span'])
+def test_fed_a2_rank_deficient_fallback(case):
+    name, As, Bs = next(c for c in _rank_deficient_cases() if c[0] == case)
+    weights = [1, 2, 3]
+    A, B = fed_a2(As, Bs, weights)
+    G = A.double() @ A.double().T
+    eig = torch.linalg.eigvalsh(G)
+    assert eig[0] <= 0 or eig[-1] / eig[0] >= FED_A2_COND_THRESHOLD    # the fallback is exercised
+    assert torch.isfinite(B).all()
+    _, B_ref = fed_a2_naive(As, Bs, weights)
+    assert _rel(B, B_ref) < 1e-4, name
+    # the fallback is the documented ridge λ = eps · trace(A Aᵀ) / r
+    lam = _ridge(A)
+    assert lam > 0
+    assert _rel(B, fed_a2(As, Bs, weights, lam=lam)[1]) < 1e-12
+    assert _rel(B, _closed_form(As, Bs, weights, lam)[1]) < 1e-4
+    # deterministic
+    assert torch.equal(B, fed_a2(As, Bs, weights)[1])
+
+
+def test_fed_a2_degenerate_inputs():
+    As, Bs = _clients(2, 3, 9, 5, seed=3)
+    zeros = [torch.zeros_like(a) for a in As]
+    A, B = fed_a2(zeros, Bs, [1, 1])                   # A = 0: B = 0, the min-norm minimiser
+    assert torch.count_nonzero(A) == 0 and torch.count_nonzero(B) == 0
+    singular = [As[0].clone(), As[0].clone()]
+    singular[0][1] = 0
+    singular[1][1] = 0
+    with pytest.raises(ValueError, match='singular'):
+        fed_a2(singular, Bs, [1, 1], lam=0.0)
+    for bad in (-1.0, float('nan'), float('inf'), 'x'):
+        with pytest.raises(ValueError, match='lam'):
+            fed_a2(As, Bs, [1, 1], lam=bad)
+
+
+def _largest_allocation(fn):
+    """Largest net allocation (bytes) made by a single op while fn runs (CPU memory profiler)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max(ev.self_cpu_memory_usage for ev in prof.events())
+
+
+def test_fed_a2_never_allocates_dout_by_din():
+    d_in = d_out = 4096
+    As, Bs = _clients(3, 4, d_in, d_out, seed=5)
+    weights = [3, 1, 2]
+    out = {}
+    largest = _largest_allocation(lambda: out.update(res=fed_a2(As, Bs, weights)))
+    assert largest < d_out * d_in * 4
+    assert largest <= d_out * 4 * 8 * 2                # O((d_in + d_out) r) float64 buffers
+    # the check does catch a materialised d_out × d_in tensor (naive reference, smaller sizes)
+    small_As, small_Bs = _clients(3, 4, 600, 500, seed=6)
+    assert _largest_allocation(lambda: fed_a2_naive(small_As, small_Bs, weights)) >= 600 * 500 * 8
+    # and the large result is still right: check against the closed form on a row subset of B
+    A, B = out['res']
+    A64 = A.double()
+    rows = slice(0, 64)
+    UAt_rows = sum(pk * Bk[rows].double() @ (Ak.double() @ A64.T)
+                   for pk, Ak, Bk in zip(_p(weights), As, Bs))
+    assert _rel(B[rows], UAt_rows @ torch.linalg.inv(A64 @ A64.T)) < 1e-5
+
+
+# ------------------------------------------------------------------------------ FlexLoRA
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_flexlora_single_client_reproduces_update(dtype):
+    for r in (1, 4, 8):
+        for d_in, d_out in SHAPES:
+            As, Bs = _clients(1, r, d_in, d_out, dtype=dtype, seed=r)
+            [(A, B)] = flexlora(As, Bs, [5.0], [r])
+            assert A.shape == (r, d_in) and B.shape == (d_out, r)
+            tol = 1e-5 if dtype == torch.float32 else 1e-12
+            assert _rel(B @ A, Bs[0] @ As[0]) < tol
+
+
+def test_flexlora_heterogeneous_ranks_and_eckart_young():
+    d_in, d_out = 30, 20
+    ranks = [1, 4, 8, 2, 4]
+    As, Bs = _clients(5, ranks, d_in, d_out, dtype=torch.float64, seed=21)
+    weights = [3, 1, 4, 1, 5]
+    out = flexlora(As, Bs, weights, ranks)
+    dW = _U(As, Bs, weights)
+    s = torch.linalg.svdvals(dW)
+    assert len(out) == 5
+    for rk, (A, B) in zip(ranks, out):
+        assert A.shape == (rk, d_in) and B.shape == (d_out, rk)
+        err = float((dW - B @ A).norm() ** 2)
+        assert math.isclose(err, float((s[rk:] ** 2).sum()), rel_tol=1e-9, abs_tol=1e-12)
+        # singular values split evenly: both factors carry √S
+        torch.testing.assert_close(A.norm(dim=1), s[:rk].sqrt())
+        torch.testing.assert_close(B.norm(dim=0), s[:rk].sqrt())
+        # sign convention: largest-|.| entry of each column of B is positive
+        idx = B.abs().argmax(dim=0)
+        assert (B.gather(0, idx.unsqueeze(0)) > 0).all()
+    # nested: a lower-rank client gets the leading part of a higher-rank client's factors
+    torch.testing.assert_close(out[1][0], out[2][0][:4])
+    torch.testing.assert_close(out[1][1], out[2][1][:, :4])
+    # default ranks = the clients' own; explicit other ranks; deterministic
+    default = flexlora(As, Bs, weights)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(default, out))
+    assert [a.shape[0] for a, _ in flexlora(As, Bs, weights, [3, 12])] == [3, 12]
+
+
+def test_flexlora_rank_validation():
+    As, Bs = _clients(2, 4, 6, 5, seed=1)
+    for bad in (0, 6, 2.5):
+        with pytest.raises(ValueError, match=r'ranks\[1\]'):
+            flexlora(As, Bs, [1, 1], [2, bad])
+
+
+# ------------------------------------------------------------------------------ HetLoRA
+
+def _pad_reference(As, Bs, p):
+    r_max = max(a.shape[0] for a in As)
+    A = sum(pk * F.pad(a.double(), (0, 0, 0, r_max - a.shape[0])) for pk, a in zip(p, As))
+    B = sum(pk * F.pad(b.double(), (0, r_max - b.shape[1])) for pk, b in zip(p, Bs))
+    return A, B
+
+
+@pytest.mark.parametrize('ranks', [[4], [1, 4, 8], [8, 2, 2, 4, 1]])
+def test_hetlora_pad_matches_explicit_padding(ranks):
+    for d_in, d_out in SHAPES:
+        As, Bs = _clients(len(ranks), ranks, d_in, d_out, seed=len(ranks))
+        for weights in WEIGHTS[len(ranks)]:
+            A, B = hetlora_pad(As, Bs, weights)
+            A_ref, B_ref = _pad_reference(As, Bs, _p(weights))
+            assert A.shape == (max(ranks), d_in) and B.shape == (d_out, max(ranks))
+            assert _rel(A, A_ref) < 1e-6 and _rel(B, B_ref) < 1e-6
+            # sparsity-weighted: p_k ∝ n_k ‖B_k A_k‖_F, norms from the materialised product
+            norms = torch.stack([torch.linalg.norm(b.double() @ a.double()) for a, b in zip(As, Bs)])
+            p_sparse = _p(weights) * norms
+            p_sparse = p_sparse / p_sparse.sum()
+            A, B = hetlora_pad(As, Bs, weights, sparsity_weighted=True)
+            A_ref, B_ref = _pad_reference(As, Bs, p_sparse)
+            assert _rel(A, A_ref) < 1e-6 and _rel(B, B_ref) < 1e-6
+
+
+def test_hetlora_equal_ranks_is_fedavg_and_zero_updates_fall_back():
+    As, Bs = _clients(3, 4, 12, 7, seed=9)
+    weights = [1, 2, 3]
+    A, B = hetlora_pad(As, Bs, weights)
+    avg = weighted_average([{'A': a, 'B': b} for a, b in zip(As, Bs)], weights)
+    torch.testing.assert_close(A, avg['A'])
+    torch.testing.assert_close(B, avg['B'])
+    zero_Bs = [torch.zeros_like(b) for b in Bs]            # all updates 0: plain weights
+    A, _ = hetlora_pad(As, zero_Bs, weights, sparsity_weighted=True)
+    torch.testing.assert_close(A, avg['A'])
+
+
+def test_hetlora_truncate():
+    As, Bs = _clients(3, [2, 6, 4], 10, 8, seed=2)
+    A_g, B_g = hetlora_pad(As, Bs, [1, 1, 1])
+    for rk in (1, 4, 6):
+        A, B = hetlora_truncate(A_g, B_g, rk)
+        assert torch.equal(A, A_g[:rk]) and torch.equal(B, B_g[:, :rk])
+        A.add_(1)                                          # copies, not views
+        assert not torch.equal(A, A_g[:rk])
+    for bad in (0, 7, 1.5):
+        with pytest.raises(ValueError, match='rank'):
+            hetlora_truncate(A_g, B_g, bad)
+    with pytest.raises(ValueError, match='ranks differ'):
+        hetlora_truncate(A_g, B_g[:, :3], 2)
+
+
+def test_lora_delta_norm():
+    for r in (1, 4, 8):
+        for d_in, d_out in SHAPES:
+            (A,), (B,) = _clients(1, r, d_in, d_out, seed=r)
+            expected = torch.linalg.norm(B.double() @ A.double())
+            assert lora_delta_norm(A, B).dtype == torch.float32
+            assert math.isclose(float(lora_delta_norm(A, B)), float(expected), rel_tol=1e-6)
+    # full cancellation: ‖B‖, ‖A‖ > 0 but B A = 0 exactly
+    A = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    B = torch.tensor([[1.0, -1.0]])
+    assert float(lora_delta_norm(A, B)) == 0.0
+    with pytest.raises(ValueError, match='ranks differ'):
+        lora_delta_norm(torch.ones(3, 5), torch.ones(4, 2))
+
+
+# ------------------------------------------------------------------------------ dtypes, errors
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16])
+def test_dtype_preserved(dtype):
+    As, Bs = _clients(3, [4, 4, 4], 16, 12, dtype=dtype, seed=4)
+    weights = [1, 2, 3]
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    for fn in (fed_a2, fed_a2_naive, hetlora_pad):
+        A, B = fn(As, Bs, weights)
+        assert A.dtype == dtype and B.dtype == dtype, fn.__name__
+    A, B = fed_a2(As, Bs, weights)
+    assert _rel(B, fed_a2_naive(As, Bs, weights)[1]) < tol
+    for A, B in flexlora(As, Bs, weights, [2, 4]):
+        assert A.dtype == dtype and B.dtype == dtype
+    A, B = hetlora_truncate(*hetlora_pad(As, Bs, weights), 2)
+    assert A.dtype == dtype and B.dtype == dtype
+    assert lora_delta_norm(As[0], Bs[0]).dtype == dtype
+
+
+ALL = [fed_a2, fed_a2_naive, flexlora, hetlora_pad]
+
+
+@pytest.mark.parametrize('fn', ALL, ids=lambda f: f.__name__)
+def test_errors_name_the_client(fn):
+    As, Bs = _clients(3, 4, 10, 8, seed=0)
+    bad_din = list(As)
+    bad_din[2] = torch.randn(4, 11)
+    with pytest.raises(ValueError, match=r'client 2.*\(4, 11\)'):
+        fn(bad_din, Bs, [1, 1, 1])
+    bad_dout = list(Bs)
+    bad_dout[1] = torch.randn(9, 4)
+    with pytest.raises(ValueError, match=r'client 1.*\(9, 4\)'):
+        fn(As, bad_dout, [1, 1, 1])
+    bad_rank = list(Bs)
+    bad_rank[2] = torch.randn(8, 3)
+    with pytest.raises(ValueError, match=r'client 2.*ranks differ'):
+        fn(As, bad_rank, [1, 1, 1])
+    bad_dim = list(As)
+    bad_dim[0] = torch.randn(4, 10, 1)
+    with pytest.raises(ValueError, match=r'client 0.*2-D'):
+        fn(bad_dim, Bs, [1, 1, 1])
+    with pytest.raises(ValueError, match='3 clients but 2 weights'):
+        fn(As, Bs, [1, 1])
+    with pytest.raises(ValueError, match='3 A factors but 2 B factors'):
+        fn(As, Bs[:2], [1, 1, 1])
+    with pytest.raises(ValueError):
+        fn(As, Bs, [0, 0, 0])
+    with pytest.raises(ValueError):
+        fn(As, Bs, [1, -1, 1])
+
+
+@pytest.mark.parametrize('fn', [fed_a2, fed_a2_naive], ids=lambda f: f.__name__)
+def test_fed_a2_rejects_mixed_ranks(fn):
+    As, Bs = _clients(2, [4, 2], 10, 8)
+    with pytest.raises(ValueError, match=r'client 1: rank 2'):
+        fn(As, Bs, [1, 1])
