@@ -57,23 +57,35 @@ def assert_same_numbers(fs_rows, emb_rows):
                 assert value == b[name], (key(a), name)
 
 
-def _embedded_rows(tmp_path, cfg_dict):
+def _embedded_rows(tmp_path, cfg_dict, client_cfgs=None):
     cfg_dict = deep_update(json.loads(json.dumps(cfg_dict)),
                            {'fsplug': {'results_dir': str(tmp_path / 'embedded')}})
-    run_embedded(load_config(write_yaml(tmp_path / 'embedded.yaml', cfg_dict)))
+    run_embedded(load_config(write_yaml(tmp_path / 'embedded.yaml', cfg_dict)), client_cfgs)
     return read_rows(str(tmp_path / 'embedded'))
 
 
-@pytest.mark.parametrize('method', ['fedavg', 'standalone', 'toy_phased'])
+MIXED_RANKS = {f'client_{i}': {'fsplug': {'model': {'lora': {'r': r}}}}
+               for i, r in zip((1, 2, 3, 4), (2, 4, 8, 16))}
+METHODS = ['fedavg', 'standalone', 'toy_phased', 'fed_a2', 'fedex', 'ffa', 'fedsa', 'feddpa',
+           'fedprox', 'fedadam', 'scaffold', 'hetlora', 'flexlora']
+
+
+@pytest.mark.parametrize('method', METHODS)
 def test_fs_standalone_matches_embedded(tmp_path, method):
+    """Every method through FS standalone gives the embedded runner's numbers; hetlora and
+    flexlora with four different LoRA ranks (FS alone fails there with a size mismatch)."""
     cfg = tiny_config(tmp_path, method, rounds=2, steps=3)
     if method == 'toy_phased':
         deep_update(cfg, TOY)
     deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
-    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)])
+    client_cfgs = MIXED_RANKS if method in ('hetlora', 'flexlora') else None
+    args = ['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)]
+    if client_cfgs:
+        args += ['--client_cfg', write_yaml(tmp_path / 'clients.yaml', client_cfgs)]
+    proc = run_fs(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'Per-client results' in proc.stdout
-    assert_same_numbers(read_rows(str(tmp_path / 'fs')), _embedded_rows(tmp_path, cfg))
+    assert_same_numbers(read_rows(str(tmp_path / 'fs')), _embedded_rows(tmp_path, cfg, client_cfgs))
 
 
 def _free_ports(n):

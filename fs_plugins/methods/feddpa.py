@@ -1,0 +1,32 @@
+"""FedDPA-LoRA (Yang et al., 2024), dual personalising adapters: every client carries a
+global LoRA adapter ('default', shared and averaged) and a local one ('local', never sent),
+both active in the forward pass. Local round: first the global adapter trains
+(`global_fraction` of the steps), then the local adapter with the global one frozen."""
+import copy
+
+from fs_plugins.methods.base import Method, Phase
+from fs_plugins.methods.registry import register_method
+
+GLOBAL, LOCAL = '.default.', '.local.'
+
+
+@register_method
+class FedDPALoRA(Method):
+    name = 'feddpa'
+    defaults = {'global_fraction': 0.5}
+
+    def adapt_model(self, model, cfg):
+        model.add_adapter('local', copy.deepcopy(model.peft_config['default']))
+        model.base_model.set_adapter(['default', 'local'])
+        for name, param in model.named_parameters():
+            if GLOBAL in name or LOCAL in name:
+                param.requires_grad_(True)
+        return model
+
+    def is_shared(self, name):
+        return GLOBAL in name
+
+    def phases(self, num_steps, cfg):
+        first = int(round(float(self.hparams['global_fraction']) * num_steps))
+        return [Phase('global', first, lambda n: GLOBAL in n),
+                Phase('local', num_steps - first, lambda n: LOCAL in n)]

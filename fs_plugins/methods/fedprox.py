@@ -1,0 +1,28 @@
+"""FedProx (Li et al., 2020) on the shared LoRA parameters: the local loss gets
+mu/2 · ||w − w_global||² over the parameters received from the server this round.
+
+FederatedScope has its own FedProx trainer wrapper (`fedprox.use`); it applies to FS's
+trainers, not to the embedded runner, so the proximal term lives here for both runners."""
+import torch
+
+from fs_plugins.methods.base import Method, load_tensors
+from fs_plugins.methods.registry import register_method
+
+
+@register_method
+class FedProx(Method):
+    name = 'fedprox'
+    defaults = {'mu': 0.01}
+
+    def receive(self, model, content, state):
+        load_tensors(model, content)
+        state['anchor'] = {n: t.detach().clone() for n, t in content.items()}
+
+    def loss(self, model, batch, state):
+        loss = model(**batch).loss
+        anchor = state.get('anchor')
+        if not anchor:
+            return loss
+        params = dict(model.named_parameters())
+        prox = sum(((params[n] - a.to(params[n].device)) ** 2).sum() for n, a in anchor.items())
+        return loss + 0.5 * float(self.hparams['mu']) * prox

@@ -1,0 +1,23 @@
+"""HetLoRA / HLoRA-style aggregation for clients with different LoRA ranks: factors are
+zero-padded to the largest rank, averaged (optionally with sparsity weights ∝ n_k ‖B_k A_k‖_F),
+and each client keeps the first r_k components of the global factors. Per-client ranks come
+from `--client_cfg` (fsplug.model.lora.r)."""
+from fs_plugins.aggregation.lora import hetlora_pad
+from fs_plugins.methods.base import Method
+from fs_plugins.methods.lora_family import aggregate_by_layer, receive_at_own_rank
+from fs_plugins.methods.registry import register_method
+
+
+@register_method
+class HetLoRA(Method):
+    name = 'hetlora'
+    defaults = {'sparsity_weighted': True}
+
+    def aggregate(self, server_state, updates):
+        weighted = bool(self.hparams['sparsity_weighted'])
+        combine = lambda As, Bs, w: hetlora_pad(As, Bs, w, sparsity_weighted=weighted)  # noqa: E731
+        return {**server_state,
+                'global': aggregate_by_layer(server_state['global'], updates, combine)}
+
+    def receive(self, model, content, state):
+        receive_at_own_rank(model, content)

@@ -1,0 +1,34 @@
+"""Shared pieces of the methods that aggregate LoRA factors layer by layer."""
+from __future__ import annotations
+
+from fs_plugins.aggregation import weighted_average
+from fs_plugins.aggregation.pairs import fit_rank, lora_pairs
+from fs_plugins.methods.base import ClientUpdate, load_tensors
+
+
+def aggregate_by_layer(global_state: dict, updates: list[ClientUpdate], combine) -> dict:
+    """New global state: `combine(As, Bs, weights) -> (A, B)` for every LoRA layer all
+    updates share; sample-weighted averaging for any other shared tensor."""
+    weights = [u.num_samples for u in updates]
+    pairs = lora_pairs(set.intersection(*(set(u.shared) for u in updates)))
+    paired = {k for ab in pairs.values() for k in ab}
+    out = dict(global_state)
+    out.update(weighted_average([{k: v for k, v in u.shared.items() if k not in paired}
+                                 for u in updates], weights))
+    for a_key, b_key in pairs.values():
+        out[a_key], out[b_key] = combine([u.shared[a_key] for u in updates],
+                                         [u.shared[b_key] for u in updates], weights)
+    return out
+
+
+def receive_at_own_rank(model, content: dict) -> None:
+    """Loads LoRA factors truncated or zero-padded to this client's own rank."""
+    params = dict(model.named_parameters())
+    fitted = {}
+    for key, value in content.items():
+        target = params.get(key)
+        if target is not None and ('.lora_A.' in key or '.lora_B.' in key):
+            rank = target.shape[0] if '.lora_A.' in key else target.shape[1]
+            value = fit_rank(key, value, rank)
+        fitted[key] = value
+    load_tensors(model, fitted)
