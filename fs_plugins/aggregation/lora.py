@@ -31,7 +31,7 @@ from fs_plugins.aggregation.average import normalise_weights
 
 __all__ = [
     'fed_a2', 'fed_a2_naive', 'flexlora', 'hetlora_pad', 'hetlora_truncate', 'lora_delta_norm',
-    'FED_A2_COND_THRESHOLD', 'FED_A2_RIDGE_EPS',
+    'FED_A2_COND_THRESHOLD', 'FED_A2_RIDGE_EPS', 'FED_A2_FLOAT32_COND',
 ]
 
 #: lam=None: A Aᵀ (computed in float64) counts as well conditioned, and λ = 0 is used, when
@@ -42,6 +42,16 @@ FED_A2_COND_THRESHOLD = 1e6
 #: lam=None fallback ridge: λ = FED_A2_RIDGE_EPS · trace(A Aᵀ) / r (i.e. eps times the mean
 #: eigenvalue of A Aᵀ), which bounds cond(A Aᵀ + λ I) by about r / eps.
 FED_A2_RIDGE_EPS = 1e-6
+#: fed_a2 accumulates U Aᵀ in float32 (float32 inputs) when cond(A Aᵀ + λ I) is below this, so
+#: float32 rounding (~1e-7) stays below ~1e-4 relative after the solve; float64 otherwise.
+FED_A2_FLOAT32_COND = 1e3
+
+
+def _condition(G: torch.Tensor) -> float:
+    """λ_max / λ_min of a symmetric float64 matrix (inf when λ_min <= 0)."""
+    eig = torch.linalg.eigvalsh(G)
+    lo, hi = float(eig[0]), float(eig[-1])
+    return hi / lo if lo > 0.0 else math.inf
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,9 +133,7 @@ def _resolve_lam(G: torch.Tensor, lam) -> float:
     trace = float(torch.diagonal(G).sum())
     if trace <= 0.0:
         return 1.0
-    eig = torch.linalg.eigvalsh(G)
-    lo, hi = float(eig[0]), float(eig[-1])
-    if lo > 0.0 and hi / lo < FED_A2_COND_THRESHOLD:
+    if _condition(G) < FED_A2_COND_THRESHOLD:
         return 0.0
     return FED_A2_RIDGE_EPS * trace / r
 
@@ -152,10 +160,10 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
     copy of A_k and B_k plus r × r and d_out × r accumulators.
 
     Precision: A is accumulated in the compute dtype (float32, float64 for float64 inputs), so it
-    equals FedAvg's A. The r-dimensional quantities A_k Aᵀ, A Aᵀ, U Aᵀ and the solve are done in
-    float64: when A Aᵀ is ill conditioned, rounding in U Aᵀ is amplified by up to cond(G), and
-    float32 rounding (~1e-7) would dominate the solution; in float64 these quantities are still
-    only O(r (d_in + d_out)) in size.
+    equals FedAvg's A. A Aᵀ and the solve are always float64. U Aᵀ (with the A_k Aᵀ) is
+    accumulated in float32 when cond(A Aᵀ + λI) < FED_A2_FLOAT32_COND (1e3) and the inputs are
+    float32, else in float64: when A Aᵀ is ill conditioned, rounding in U Aᵀ is amplified by up
+    to its condition number and float32 rounding (~1e-7) would dominate the solution.
 
     lam:
       * a float ≥ 0: used as is. lam = 0 with a singular A Aᵀ raises ValueError.
@@ -174,13 +182,19 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
     A = _average_A(As, p, cdtype)
     A64 = A.to(torch.float64)
     G = A64 @ A64.T                                            # r × r
-    UAt = torch.zeros(Bs[0].shape, dtype=torch.float64, device=A.device)   # d_out × r
-    for pk, Ak, Bk in zip(p.tolist(), As, Bs):
-        Gk = Ak.detach().to(torch.float64) @ A64.T             # A_k Aᵀ, r × r
-        UAt.addmm_(Bk.detach().to(torch.float64), Gk, alpha=pk)
     lam_used = _resolve_lam(G, lam)
     if lam_used:
         G = G + lam_used * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
+    # U Aᵀ in float32 when the solve cannot amplify float32 rounding much (the common case,
+    # ~2x faster: no float64 copies of the factors); in float64 otherwise.
+    acc_dtype = (torch.float32 if cdtype == torch.float32
+                 and _condition(G) < FED_A2_FLOAT32_COND else torch.float64)
+    A_acc = A.to(acc_dtype).T
+    UAt = torch.zeros(Bs[0].shape, dtype=acc_dtype, device=A.device)   # d_out × r
+    for pk, Ak, Bk in zip(p.tolist(), As, Bs):
+        Gk = Ak.detach().to(acc_dtype) @ A_acc                 # A_k Aᵀ, r × r
+        UAt.addmm_(Bk.detach().to(acc_dtype), Gk, alpha=pk)
+    UAt = UAt.to(torch.float64)
     try:
         B = torch.linalg.solve(G, UAt.T).T
     except RuntimeError as err:                                 # exactly singular, lam = 0
