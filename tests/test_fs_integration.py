@@ -67,7 +67,7 @@ def _embedded_rows(tmp_path, cfg_dict, client_cfgs=None):
 MIXED_RANKS = {f'client_{i}': {'fsplug': {'model': {'lora': {'r': r}}}}
                for i, r in zip((1, 2, 3, 4), (2, 4, 8, 16))}
 METHODS = ['fedavg', 'standalone', 'toy_phased', 'fed_a2', 'fedex', 'ffa', 'fedsa', 'feddpa',
-           'fedprox', 'fedadam', 'scaffold', 'hetlora', 'flexlora']
+           'fedprox', 'fedadam', 'fedyogi', 'fedadagrad', 'scaffold', 'hetlora', 'flexlora']
 
 
 @pytest.mark.parametrize('method', METHODS)

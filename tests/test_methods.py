@@ -61,6 +61,7 @@ def test_fedsa_keeps_b_local(tmp_path):
 
 def test_fedprox_adds_the_proximal_term(tmp_path):
     results, clients = run(tmp_path, 'fedprox', rounds=1, fsplug={'fedprox': {'mu': 0.5}})
+    assert {r['bytes_up'] for r in train_rows(results)} == {4 * (A_NUMEL + B_NUMEL)}
     proc = clients[1]
     anchor = proc.state['anchor']
     batch = proc.collate([proc.train_data[0]])

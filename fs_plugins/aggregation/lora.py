@@ -101,6 +101,17 @@ def _check_factors(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor],
     return ranks, d_in, d_out
 
 
+def _check_pair(A, B, a_name: str, b_name: str) -> None:
+    """A (r, d_in) and B (d_out, r): 2-D tensors of the same rank."""
+    for name, t in ((a_name, A), (b_name, B)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f'{name} must be a 2-D tensor, got '
+                             f'{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}')
+    if B.shape[1] != A.shape[0]:
+        raise ValueError(f'{a_name} has shape {tuple(A.shape)} (r, d_in) but {b_name} has shape '
+                         f'{tuple(B.shape)} (d_out, r); their ranks differ')
+
+
 def _average_A(As: Sequence[torch.Tensor], p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Σ p_k A_k accumulated in `dtype` (same arithmetic as weighted_average)."""
     acc = torch.zeros(As[0].shape, dtype=dtype, device=As[0].device)
@@ -318,13 +329,7 @@ def lora_delta_norm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     poorly; the result is clamped at 0 before the square root. Returns a 0-dim tensor in the
     promoted dtype of A and B.
     """
-    for name, t in (('A', A), ('B', B)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f'{name} must be a 2-D tensor, got '
-                             f'{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}')
-    if B.shape[1] != A.shape[0]:
-        raise ValueError(f'A has shape {tuple(A.shape)} (r, d_in) but B has shape {tuple(B.shape)} '
-                         f'(d_out, r); their ranks differ')
+    _check_pair(A, B, 'A', 'B')
     return _delta_norm64(A, B).to(torch.promote_types(A.dtype, B.dtype))
 
 
@@ -376,13 +381,7 @@ def hetlora_truncate(A_global: torch.Tensor, B_global: torch.Tensor,
     A_global is (r_max, d_in), B_global (d_out, r_max), 1 ≤ rank ≤ r_max. Returns copies (not
     views), in the input dtypes.
     """
-    for name, t in (('A_global', A_global), ('B_global', B_global)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f'{name} must be a 2-D tensor, got '
-                             f'{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}')
-    if B_global.shape[1] != A_global.shape[0]:
-        raise ValueError(f'A_global has shape {tuple(A_global.shape)} but B_global has shape '
-                         f'{tuple(B_global.shape)}; their ranks differ')
+    _check_pair(A_global, B_global, 'A_global', 'B_global')
     r_max = A_global.shape[0]
     if isinstance(rank, bool) or int(rank) != rank or not 1 <= int(rank) <= r_max:
         raise ValueError(f'rank = {rank!r}; expected an integer in [1, {r_max}]')

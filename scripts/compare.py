@@ -1,0 +1,75 @@
+"""Per-client comparison table of several runs, like the papers' tables.
+
+    python scripts/compare.py RUN_DIR [RUN_DIR ...] [--metric test_token_acc] [--baseline standalone]
+                              [--csv out.csv]
+
+Each RUN_DIR is a results directory (results.jsonl + run_info.json). Rows: runs (labelled by
+method, or by the directory name when methods repeat); columns: each client's last evaluation
+of --metric, the average over clients, and Δ of the average vs the --baseline method's run.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+
+
+def last_eval(run_dir: str, metric: str) -> dict[int, float]:
+    values = {}
+    with open(os.path.join(run_dir, 'results.jsonl')) as handle:
+        for line in handle:
+            row = json.loads(line)
+            if row['kind'] == 'eval' and metric in row:
+                values[row['client']] = row[metric]     # rows are in time order: last wins
+    if not values:
+        raise SystemExit(f'{run_dir}: no eval rows with {metric}')
+    return values
+
+
+def load(run_dir: str, metric: str) -> dict:
+    with open(os.path.join(run_dir, 'run_info.json')) as handle:
+        info = json.load(handle)
+    values = last_eval(run_dir, metric)
+    return {'dir': run_dir, 'method': info['method'], 'names': info.get('client_names', {}),
+            'values': values, 'avg': sum(values.values()) / len(values)}
+
+
+def table(runs: list[dict], metric: str, baseline: str) -> tuple[list[str], list[list[str]]]:
+    clients = sorted({c for run in runs for c in run['values']})
+    names = runs[0]['names']
+    header = ['method'] + [f"{c} ({names.get(str(c), c)})" if names.get(str(c)) else str(c)
+                           for c in clients] + ['average', f'Δ vs {baseline}']
+    methods = [r['method'] for r in runs]
+    base = next((r for r in runs if r['method'] == baseline), None)
+    rows = []
+    for run in runs:
+        label = run['method'] if methods.count(run['method']) == 1 else os.path.basename(run['dir'].rstrip('/'))
+        delta = f"{run['avg'] - base['avg']:+.4f}" if base else 'n/a'
+        rows.append([label] + [f"{run['values'].get(c, float('nan')):.4f}" for c in clients]
+                    + [f"{run['avg']:.4f}", delta])
+    return header, rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('runs', nargs='+')
+    parser.add_argument('--metric', default='test_token_acc')
+    parser.add_argument('--baseline', default='standalone')
+    parser.add_argument('--csv', default=None)
+    args = parser.parse_args(argv)
+    header, rows = table([load(d, args.metric) for d in args.runs], args.metric, args.baseline)
+    print(f'{args.metric} (last evaluation per client)\n')
+    print('| ' + ' | '.join(header) + ' |')
+    print('|' + '---|' * len(header))
+    for row in rows:
+        print('| ' + ' | '.join(row) + ' |')
+    if args.csv:
+        with open(args.csv, 'w', newline='') as handle:
+            csv.writer(handle).writerows([header] + rows)
+
+
+if __name__ == '__main__':
+    sys.exit(main())
