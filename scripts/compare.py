@@ -3,9 +3,11 @@
     python scripts/compare.py RUN_DIR [RUN_DIR ...] [--metric test_token_acc] [--baseline standalone]
                               [--csv out.csv]
 
-Each RUN_DIR is a results directory (results.jsonl + run_info.json). Rows: runs (labelled by
-method, or by the directory name when methods repeat); columns: each client's last evaluation
-of --metric, the average over clients, and Δ of the average vs the --baseline method's run.
+Each RUN_DIR is a results directory (results.jsonl + run_info.json). Rows: runs labelled by
+their directory name; columns: each client's last evaluation of --metric, the average over
+clients, and Δ of the average vs the --baseline row. Directories with the same name (e.g.
+seed1/fedavg, seed2/fedavg) form one row: cells are means over them, and a column gives the
+standard deviation of the average across those runs.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import sys
 
 
@@ -36,19 +39,38 @@ def load(run_dir: str, metric: str) -> dict:
             'values': values, 'avg': sum(values.values()) / len(values)}
 
 
+def group(runs: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(os.path.basename(run['dir'].rstrip('/')), []).append(run)
+    return groups
+
+
+def _mean(values):
+    values = list(values)
+    return sum(values) / len(values) if values else float('nan')
+
+
 def table(runs: list[dict], metric: str, baseline: str) -> tuple[list[str], list[list[str]]]:
     clients = sorted({c for run in runs for c in run['values']})
     names = runs[0]['names']
-    header = ['method'] + [f"{c} ({names.get(str(c), c)})" if names.get(str(c)) else str(c)
-                           for c in clients] + ['average', f'Δ vs {baseline}']
-    methods = [r['method'] for r in runs]
-    base = next((r for r in runs if r['method'] == baseline), None)
+    groups = group(runs)
+    header = (['method'] + [f"{c} ({names[str(c)]})" if names.get(str(c)) else str(c)
+                            for c in clients] + ['average', f'Δ vs {baseline}'])
+    if any(len(g) > 1 for g in groups.values()):
+        header += ['std of average', 'runs']
+    base = groups.get(baseline)
+    base_avg = _mean(r['avg'] for r in base) if base else None
     rows = []
-    for run in runs:
-        label = run['method'] if methods.count(run['method']) == 1 else os.path.basename(run['dir'].rstrip('/'))
-        delta = f"{run['avg'] - base['avg']:+.4f}" if base else 'n/a'
-        rows.append([label] + [f"{run['values'].get(c, float('nan')):.4f}" for c in clients]
-                    + [f"{run['avg']:.4f}", delta])
+    for label, members in groups.items():
+        avg = _mean(r['avg'] for r in members)
+        row = ([label] + [f"{_mean(r['values'][c] for r in members if c in r['values']):.4f}"
+                          for c in clients]
+               + [f'{avg:.4f}', f'{avg - base_avg:+.4f}' if base else 'n/a'])
+        if len(header) > len(clients) + 3:
+            spread = statistics.stdev([r['avg'] for r in members]) if len(members) > 1 else 0.0
+            row += [f'{spread:.4f}', str(len(members))]
+        rows.append(row)
     return header, rows
 
 
