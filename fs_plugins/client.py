@@ -13,8 +13,9 @@ import math
 import torch
 
 from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
-from fs_plugins.data.instruction import IGNORE_INDEX, PadCollator, tokenize_records
+from fs_plugins.data.instruction import PadCollator, tokenize_records
 from fs_plugins.methods.base import ClientUpdate, Method, Phase
+from fs_plugins.metrics.token import answer_token_stats
 from fs_plugins.models.builders import BuiltModel
 from fs_plugins.optim import build_optimizer, build_scheduler
 
@@ -146,13 +147,9 @@ class ClientProcedure:
         for batch in eval_batches(dataset, self.collate, batch_size):
             batch = {k: v.to(self.device) for k, v in batch.items()}
             logits = self.model(input_ids=batch['input_ids'],
-                                attention_mask=batch['attention_mask']).logits.float()
-            pred, target = logits[:, :-1], batch['labels'][:, 1:]
-            mask = target != IGNORE_INDEX
-            loss_sum += torch.nn.functional.cross_entropy(
-                pred[mask], target[mask], reduction='sum').item()
-            correct += (pred.argmax(-1)[mask] == target[mask]).sum().item()
-            tokens += int(mask.sum())
+                                attention_mask=batch['attention_mask']).logits
+            batch_loss, batch_correct, batch_tokens = answer_token_stats(logits, batch['labels'])
+            loss_sum, correct, tokens = loss_sum + batch_loss, correct + batch_correct, tokens + batch_tokens
         self.model.train(was_training)
         return {f'{split}_avg_loss': loss_sum / max(tokens, 1),
                 f'{split}_token_acc': correct / max(tokens, 1),

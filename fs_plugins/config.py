@@ -36,9 +36,6 @@ class Cfg(dict):
             return cls({k: cls.wrap(v) for k, v in value.items()})
         return value
 
-    def clone(self) -> "Cfg":
-        return Cfg.wrap(copy.deepcopy(to_plain(self)))
-
 
 # bookkeeping entries FS's CfgNode keeps inside every node
 FS_AUX_KEYS = frozenset({'__cfg_check_funcs__', '__help_info__', 'is_ready_for_run'})

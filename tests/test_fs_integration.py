@@ -168,6 +168,12 @@ def test_unknown_plugin_key_fails_at_load(tmp_path):
     assert 'alpha, dropout, r, target_modules' in proc.stderr
 
 
+def test_unsupported_fs_feature_is_refused(tmp_path):
+    cfg = tiny_config(tmp_path, 'fedavg', quantization={'method': 'uniform'})
+    proc = run_fs(['--cfg', write_yaml(tmp_path / 'c.yaml', cfg)])
+    assert proc.returncode != 0 and 'quantization.method is not supported' in proc.stderr
+
+
 def test_autoload_can_be_turned_off(tmp_path):
     cfg_path = write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, 'fedavg', rounds=1, steps=1))
     # without the hook FS needs the slow pure-Python protobuf even to start, and then

@@ -33,9 +33,6 @@ class BatchStream:
         self.pos += len(idx)
         return self.collate([self.dataset[int(i)] for i in idx])
 
-    def state(self) -> dict:
-        return {'epoch': self.epoch, 'pos': self.pos}
-
 
 def local_steps(train_cfg, num_train: int, batch_size: int) -> int:
     """Optimiser steps per round, with FS's meaning of train.local_update_steps."""

@@ -47,6 +47,13 @@ def check_fs_cfg(cfg) -> None:
         if str(cfg[section][name]).lower() != expected:
             raise ConfigError(f"fsplug.method is set, so {key} must be '{expected}' "
                               f"(got '{cfg[section][name]}')")
+    # the fsplug workers carry their own message contents; these FS features act on FS's
+    # default contents and are not wired into them (yet)
+    for key, active in (('federate.use_ss', cfg.federate.use_ss),
+                        ('quantization.method', cfg.quantization.method != 'none'),
+                        ('asyn.use', cfg.asyn.use)):
+        if active:
+            raise ConfigError(f"{key} is not supported with fsplug methods; turn it off")
     for name in REPORTED_METRICS:  # FS's monitor only accepts metrics listed in eval.metrics
         if name not in cfg.eval.metrics:
             cfg.eval.metrics.append(name)

@@ -1,15 +1,25 @@
-"""Token-level metrics on answer tokens (labels != ignore index)."""
+"""Token-level metrics on answer tokens (labels != IGNORE_INDEX), shared by the clients'
+evaluation and the metric registered with FederatedScope."""
 from __future__ import annotations
 
-import numpy as np
+import torch
 
-IGNORE_INDEX = -100
+from fs_plugins.data.instruction import IGNORE_INDEX
+
+
+def answer_token_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, int]:
+    """(summed cross-entropy, correct next-token predictions, answer tokens) for one batch.
+
+    Position t's logits predict token t + 1; only targets != IGNORE_INDEX count.
+    logits: (B, T, V); labels: (B, T)."""
+    pred, target = logits[:, :-1].float(), labels[:, 1:]
+    mask = target != IGNORE_INDEX
+    loss_sum = torch.nn.functional.cross_entropy(pred[mask], target[mask], reduction='sum').item()
+    correct = (pred.argmax(-1)[mask] == target[mask]).sum().item()
+    return loss_sum, int(correct), int(mask.sum())
 
 
 def next_token_accuracy(labels, logits) -> float:
-    """Share of answer tokens whose next-token prediction (argmax of the previous position's
-    logits) is right. labels: (B, T) ints; logits: (B, T, V)."""
-    labels, logits = np.asarray(labels), np.asarray(logits)
-    target, pred = labels[:, 1:], logits[:, :-1].argmax(-1)
-    mask = target != IGNORE_INDEX
-    return float((pred[mask] == target[mask]).mean()) if mask.any() else float('nan')
+    """Share of answer tokens whose next-token prediction is right (nan without any)."""
+    _, correct, count = answer_token_stats(torch.as_tensor(logits), torch.as_tensor(labels))
+    return correct / count if count else float('nan')
