@@ -168,6 +168,16 @@ def test_unknown_plugin_key_fails_at_load(tmp_path):
     assert 'alpha, dropout, r, target_modules' in proc.stderr
 
 
+def test_fs_checkpoint_holds_the_global_shared_state(tmp_path):
+    import torch
+    cfg = tiny_config(tmp_path, 'fedavg', rounds=2, steps=1,
+                      federate={'save_to': str(tmp_path / 'global.pt')})
+    proc = run_fs(['--cfg', write_yaml(tmp_path / 'c.yaml', cfg)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = torch.load(tmp_path / 'global.pt', weights_only=False)
+    assert ckpt['model'] and all('lora_' in k for k in ckpt['model'])
+
+
 def test_unsupported_fs_feature_is_refused(tmp_path):
     cfg = tiny_config(tmp_path, 'fedavg', quantization={'method': 'uniform'})
     proc = run_fs(['--cfg', write_yaml(tmp_path / 'c.yaml', cfg)])
