@@ -117,8 +117,7 @@ class ClientProcedure:
             self.params[name].requires_grad_(True)
         self.optimizer = self.scheduler = None
         samples = self.stats['samples']
-        shared = {n: self.params[n].detach().to('cpu').clone()
-                  for n in self.trainable_names if self.method.is_shared(n)}
+        shared = self.method.shared_tensors(self.model, self.trainable_names)
         metrics = {'train_avg_loss': self.stats['loss_sum'] / samples if samples else float('nan'),
                    'train_steps': self.stats['steps']}
         return ClientUpdate(self.client_id, samples, shared,

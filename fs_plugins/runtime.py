@@ -41,5 +41,4 @@ def run_info(cfg, runner: str, client_names: dict) -> dict:
 def initial_shared_state(cfg, method: Method) -> dict:
     """The shared parameters of a freshly built global model (the server's starting point)."""
     built = build_model(cfg, method)
-    return {n: p.detach().to('cpu').clone() for n, p in built.model.named_parameters()
-            if n in built.trainable_names and method.is_shared(n)}
+    return method.shared_tensors(built.model, built.trainable_names)

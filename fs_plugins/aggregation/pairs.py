@@ -22,6 +22,10 @@ def is_lora_a(key: str) -> bool:
     return A_TAG in key
 
 
+def is_lora_factor(key: str) -> bool:
+    return A_TAG in key or B_TAG in key
+
+
 def lora_rank(key: str, tensor: torch.Tensor) -> int:
     """Rank of a LoRA factor: rows of A (r, d_in), columns of B (d_out, r)."""
     return tensor.shape[0] if is_lora_a(key) else tensor.shape[1]

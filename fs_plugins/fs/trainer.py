@@ -67,5 +67,5 @@ class PluginTrainer(LLMTrainer):
     def get_model_para(self):
         if self.last_update is not None:
             return dict(self.last_update.shared)
-        return {n: p.detach().cpu() for n, p in self.procedure.params.items()
-                if n in self.procedure.trainable_names and self.procedure.method.is_shared(n)}
+        return self.procedure.method.shared_tensors(self.procedure.model,
+                                                    self.procedure.trainable_names)

@@ -73,6 +73,12 @@ class Method:
         """Whether trainable parameter `name` leaves the client."""
         return True
 
+    def shared_tensors(self, model: torch.nn.Module, trainable_names) -> dict[str, torch.Tensor]:
+        """CPU copies of the trainable parameters that leave the client."""
+        trainable = set(trainable_names)
+        return {n: p.detach().to('cpu').clone() for n, p in model.named_parameters()
+                if n in trainable and self.is_shared(n)}
+
     def loss(self, model: torch.nn.Module, batch: dict, state: dict) -> torch.Tensor:
         return model(**batch).loss
 

@@ -15,13 +15,10 @@ from fs_plugins.methods.registry import register_method
 RESIDUAL = 'residual/'
 
 
-def exact_minus_product_of_means(As, Bs, weights) -> torch.Tensor:
-    """Σ p_k B_k A_k − (Σ p_k B_k)(Σ p_k A_k), in float32."""
+def averaged_product(As, Bs, weights) -> torch.Tensor:
+    """Σ p_k B_k A_k (d_out × d_in), in float32."""
     p = normalise_weights(weights)
-    exact = sum(float(pk) * (b.float() @ a.float()) for pk, a, b in zip(p, As, Bs))
-    a_mean = sum(float(pk) * a.float() for pk, a in zip(p, As))
-    b_mean = sum(float(pk) * b.float() for pk, b in zip(p, Bs))
-    return exact - b_mean @ a_mean
+    return sum(float(pk) * (b.float() @ a.float()) for pk, a, b in zip(p, As, Bs))
 
 
 @register_method
@@ -40,8 +37,9 @@ class FedExLoRA(Method):
         merged = weighted_average([u.shared for u in updates], weights)
         residual = dict(server_state['residual'])
         for prefix, (a_key, b_key) in lora_pairs(merged).items():
-            step = exact_minus_product_of_means([u.shared[a_key] for u in updates],
-                                                [u.shared[b_key] for u in updates], weights)
+            step = (averaged_product([u.shared[a_key] for u in updates],
+                                     [u.shared[b_key] for u in updates], weights)
+                    - merged[b_key].float() @ merged[a_key].float())
             residual[prefix] = residual[prefix] + step if prefix in residual else step
         return {'global': {**server_state['global'], **merged}, 'residual': residual}
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fs_plugins.aggregation import weighted_average
-from fs_plugins.aggregation.pairs import fit_rank, lora_pairs
+from fs_plugins.aggregation.pairs import fit_rank, is_lora_factor, lora_pairs, lora_rank
 from fs_plugins.methods.base import ClientUpdate, load_tensors
 
 
@@ -27,8 +27,7 @@ def receive_at_own_rank(model, content: dict) -> None:
     fitted = {}
     for key, value in content.items():
         target = params.get(key)
-        if target is not None and ('.lora_A.' in key or '.lora_B.' in key):
-            rank = target.shape[0] if '.lora_A.' in key else target.shape[1]
-            value = fit_rank(key, value, rank)
+        if target is not None and is_lora_factor(key):
+            value = fit_rank(key, value, lora_rank(key, target))
         fitted[key] = value
     load_tensors(model, fitted)
