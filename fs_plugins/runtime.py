@@ -31,6 +31,11 @@ def results_dir(cfg, outdir_is_final: bool = False) -> str:
     return path
 
 
+def predictions_path(out_dir: str, client_id: int) -> str:
+    """Where a client's latest generated answers go (scripts/judge_reports.py reads them)."""
+    return os.path.join(out_dir, 'predictions', f'client_{client_id}.jsonl')
+
+
 def run_info(cfg, runner: str, client_names: dict) -> dict:
     return {'runner': runner, 'method': cfg.fsplug.method, 'seed': cfg.seed,
             'model': model_path(cfg), 'data': str(cfg.data.type),

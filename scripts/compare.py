@@ -1,13 +1,14 @@
 """Per-client comparison table of several runs, like the papers' tables.
 
     python scripts/compare.py RUN_DIR [RUN_DIR ...] [--metric test_token_acc] [--baseline standalone]
-                              [--csv out.csv]
+                              [--csv out.csv] [--plot out.png]
 
 Each RUN_DIR is a results directory (results.jsonl + run_info.json). Rows: runs labelled by
 their directory name; columns: each client's last evaluation of --metric, the average over
 clients, and Δ of the average vs the --baseline row. Directories with the same name (e.g.
 seed1/fedavg, seed2/fedavg) form one row: cells are means over them, and a column gives the
-standard deviation of the average across those runs.
+standard deviation of the average across those runs. --plot draws --metric per round, one
+panel per client and one line per row (the mean over its runs).
 """
 from __future__ import annotations
 
@@ -29,6 +30,41 @@ def last_eval(run_dir: str, metric: str) -> dict[int, float]:
     if not values:
         raise SystemExit(f'{run_dir}: no eval rows with {metric}')
     return values
+
+
+def eval_curve(run_dir: str, metric: str) -> dict[int, dict[int, float]]:
+    """client -> {round: value} over every evaluation of `metric`."""
+    curves: dict[int, dict[int, float]] = {}
+    with open(os.path.join(run_dir, 'results.jsonl')) as handle:
+        for line in handle:
+            row = json.loads(line)
+            if row['kind'] == 'eval' and metric in row:
+                curves.setdefault(row['client'], {})[row['round']] = row[metric]
+    return curves
+
+
+def plot(runs: list[dict], metric: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    clients = sorted({c for run in runs for c in run['values']})
+    names = runs[0]['names']
+    fig, axes = plt.subplots(1, len(clients), figsize=(4 * len(clients), 3.2), squeeze=False)
+    for label, members in group(runs).items():
+        curves = [eval_curve(r['dir'], metric) for r in members]
+        for ax, client in zip(axes[0], clients):
+            rounds = sorted({k for c in curves for k in c.get(client, {})})
+            values = [_mean(c[client][k] for c in curves if k in c.get(client, {})) for k in rounds]
+            ax.plot([k + 1 for k in rounds], values, marker='o', markersize=3, label=label)
+    for ax, client in zip(axes[0], clients):
+        ax.set_title(f"client {client} ({names.get(str(client), '')})")
+        ax.set_xlabel('round')
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(metric)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f'plot: {path}')
 
 
 def load(run_dir: str, metric: str) -> dict:
@@ -81,8 +117,10 @@ def main(argv=None) -> None:
     parser.add_argument('--metric', default='test_token_acc')
     parser.add_argument('--baseline', default='standalone')
     parser.add_argument('--csv', default=None)
+    parser.add_argument('--plot', default=None, help='PNG of --metric per round and client')
     args = parser.parse_args(argv)
-    header, rows = table([load(d, args.metric) for d in args.runs], args.metric, args.baseline)
+    runs = [load(d, args.metric) for d in args.runs]
+    header, rows = table(runs, args.metric, args.baseline)
     print(f'{args.metric} (last evaluation per client)\n')
     print('| ' + ' | '.join(header) + ' |')
     print('|' + '---|' * len(header))
@@ -91,6 +129,8 @@ def main(argv=None) -> None:
     if args.csv:
         with open(args.csv, 'w', newline='') as handle:
             csv.writer(handle).writerows([header] + rows)
+    if args.plot:
+        plot(runs, args.metric, args.plot)
 
 
 if __name__ == '__main__':

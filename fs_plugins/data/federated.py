@@ -54,6 +54,19 @@ def _train_test(indices: list[int], fraction: float, seed: int, client_id: int):
     return sorted(order[n_test:].tolist()), sorted(order[:n_test].tolist())
 
 
+def _split_from_records(records: list[dict], indices: list[int], client_id: int):
+    """Train / test as the records' own "split" field says (fsplug.data.split_from_records)."""
+    parts = {'train': [], 'test': []}
+    for i in indices:
+        split = records[i].get('split')
+        if split not in parts:
+            raise ValueError(f"fsplug.data.split_from_records is on, but record "
+                             f"{records[i].get('id', i)} (client {client_id}) has split = "
+                             f"{split!r}; expected 'train' or 'test'")
+        parts[split].append(i)
+    return parts['train'], parts['test']
+
+
 def build_federated_records(cfg) -> FederatedRecords:
     data_cfg = cfg.fsplug.data
     records = load_records(resolve_data_path(cfg))
@@ -70,7 +83,11 @@ def build_federated_records(cfg) -> FederatedRecords:
         if not indices:
             raise ValueError(f"Client {cid} received no records from the "
                              f"'{cfg.data.splitter}' split; use fewer clients")
-        train_idx, test_idx = _train_test(indices, float(data_cfg.test_fraction), cfg.seed, cid)
+        if data_cfg.split_from_records:
+            train_idx, test_idx = _split_from_records(records, indices, cid)
+        else:
+            train_idx, test_idx = _train_test(indices, float(data_cfg.test_fraction), cfg.seed,
+                                              cid)
         clients[cid] = {'train': RecordList(records[i] for i in train_idx),
                         'test': RecordList(records[i] for i in test_idx)}
         client_names[cid] = names[cid - 1]

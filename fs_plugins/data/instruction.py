@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from fs_plugins.data.multimodal import is_multimodal, resolve_images
 
 IGNORE_INDEX = -100
 
@@ -23,8 +21,9 @@ ALPACA_NO_INPUT = (
 
 
 def load_records(path: str) -> list[dict]:
-    """Reads a .json (list of objects) or .jsonl file of records with at least
-    `instruction` and `output`; `input`, `category` and any other fields are kept."""
+    """Reads a .json (list of objects) or .jsonl file of instruction records (at least
+    `instruction` and `output`; `input`, `category` and any other fields are kept) or of
+    multimodal records (`fs_plugins.data.multimodal`, image paths made absolute)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Data file not found: {path}")
     with open(path, 'r', encoding='utf-8') as handle:
@@ -36,6 +35,8 @@ def load_records(path: str) -> list[dict]:
             raise ValueError(f"Data file {path} must end in .json or .jsonl")
     if not isinstance(records, list):
         raise ValueError(f"Data file {path} must hold a list of records")
+    if records and is_multimodal(records[0]):
+        return resolve_images(records, path)
     for i, rec in enumerate(records):
         missing = [k for k in ('instruction', 'output') if not isinstance(rec, dict) or k not in rec]
         if missing:
@@ -68,45 +69,3 @@ def tokenize_record(record: dict, tokenizer, template: str, max_len: int) -> dic
         return None
     return {'input_ids': torch.tensor(full_ids, dtype=torch.long),
             'labels': torch.tensor(labels, dtype=torch.long)}
-
-
-class TokenizedDataset(torch.utils.data.Dataset):
-    def __init__(self, examples: list[dict], records: list[dict]):
-        self.examples = examples
-        self.records = records
-
-    def __len__(self):
-        return len(self.examples)
-
-    def __getitem__(self, idx):
-        return self.examples[idx]
-
-
-def tokenize_records(records: list[dict], tokenizer, template: str, max_len: int,
-                     where: str) -> TokenizedDataset:
-    kept_ex, kept_rec = [], []
-    for rec in records:
-        example = tokenize_record(rec, tokenizer, template, max_len)
-        if example is not None:
-            kept_ex.append(example)
-            kept_rec.append(rec)
-    dropped = len(records) - len(kept_ex)
-    if dropped:
-        logger.warning(f"{where}: dropped {dropped} record(s) whose answer does not fit in "
-                       f"llm.tok_len = {max_len} tokens")
-    return TokenizedDataset(kept_ex, kept_rec)
-
-
-@dataclass
-class PadCollator:
-    """Right-pads input_ids with the pad id and labels with IGNORE_INDEX."""
-    pad_token_id: int
-
-    def __call__(self, examples: list[dict]) -> dict:
-        input_ids = torch.nn.utils.rnn.pad_sequence(
-            [e['input_ids'] for e in examples], batch_first=True, padding_value=self.pad_token_id)
-        labels = torch.nn.utils.rnn.pad_sequence(
-            [e['labels'] for e in examples], batch_first=True, padding_value=IGNORE_INDEX)
-        lengths = torch.tensor([len(e['input_ids']) for e in examples])
-        mask = torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]
-        return {'input_ids': input_ids, 'labels': labels, 'attention_mask': mask.long()}

@@ -25,7 +25,7 @@ from fs_plugins.fs.wire import MARKER, decode_update, encode_tensors, encode_upd
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
 from fs_plugins.results import ResultsLog
-from fs_plugins.runtime import initial_shared_state, results_dir, run_info
+from fs_plugins.runtime import initial_shared_state, predictions_path, results_dir, run_info
 from fs_plugins.server import ServerProcedure
 
 logger = logging.getLogger(__name__)
@@ -141,8 +141,10 @@ class PluginClient(Client):
         built = build_model(config, method)
         super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
                          is_unseen_client, *args, **kwargs)
-        self.trainer.bind(ClientProcedure(self.ID, config, method, built, data,
-                                          _torch_device(device)))
+        procedure = ClientProcedure(self.ID, config, method, built, data, _torch_device(device))
+        procedure.predictions_path = predictions_path(
+            results_dir(config, outdir_is_final=True), self.ID)
+        self.trainer.bind(procedure)
 
     def callback_funcs_for_model_para(self, message):
         self.state = message.state

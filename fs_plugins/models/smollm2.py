@@ -11,10 +11,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 
-from fs_plugins.models.tiny import cache_dir
+from fs_plugins.models.cache import ensure_cached_dir
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +50,5 @@ def _convert(gguf_file: str, target: str) -> None:
 
 def ensure_smollm2(directory: str | None = None) -> str:
     """The HF folder of SmolLM2-135M-Instruct, converting the packaged GGUF on first use."""
-    target = directory or os.path.join(cache_dir(), SMOLLM2_DIR_NAME)
-    if os.path.isfile(os.path.join(target, 'config.json')):
-        return target
-    os.makedirs(os.path.dirname(target) or '.', exist_ok=True)
-    staging = tempfile.mkdtemp(prefix='.smollm2-', dir=os.path.dirname(target) or '.')
-    try:
-        _convert(gguf_path(), staging)
-        if not os.path.isfile(os.path.join(target, 'config.json')):  # another process may win
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return ensure_cached_dir(directory, lambda target: _convert(gguf_path(), target),
+                             SMOLLM2_DIR_NAME)

@@ -4,14 +4,11 @@ Built once into a cache directory, deterministically (fixed seed), so every proc
 runners load identical weights."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import torch
 
 from fs_plugins.data.builtin import tiny_tasks_records
 from fs_plugins.data.instruction import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
+from fs_plugins.models.cache import cache_dir, ensure_cached_dir  # noqa: F401 (cache_dir re-exported)
 
 TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
@@ -21,10 +18,6 @@ TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 # bump when TINY_CONFIG or the tokenizer corpus changes, so stale caches are not reused
 TINY_DIR_NAME = 'tiny-llama-v2'
 SPECIAL_TOKENS = {'bos_token': '<s>', 'eos_token': '</s>', 'pad_token': '<pad>', 'unk_token': '<unk>'}
-
-
-def cache_dir() -> str:
-    return os.environ.get('FSPLUG_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'fs_plugins'))
 
 
 def _corpus() -> list[str]:
@@ -61,19 +54,4 @@ def build_tiny_llama_dir(path: str, seed: int = 1234) -> None:
 
 def ensure_tiny_llama(path: str | None = None) -> str:
     """Returns the directory of the tiny model, building it there first if needed."""
-    path = path or os.path.join(cache_dir(), TINY_DIR_NAME)
-    if os.path.isfile(os.path.join(path, 'config.json')):
-        return path
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix='.tiny-llama-')
-    try:
-        build_tiny_llama_dir(tmp)
-        try:
-            os.rename(tmp, path)  # atomic; another process may have won the race
-        except OSError:
-            if not os.path.isfile(os.path.join(path, 'config.json')):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return ensure_cached_dir(path, build_tiny_llama_dir, TINY_DIR_NAME)

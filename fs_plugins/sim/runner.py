@@ -12,7 +12,8 @@ from fs_plugins.data.federated import build_federated_records
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
 from fs_plugins.results import ResultsLog
-from fs_plugins.runtime import device_for, initial_shared_state, results_dir, run_info
+from fs_plugins.runtime import (device_for, initial_shared_state, predictions_path, results_dir,
+                                run_info)
 from fs_plugins.server import ServerProcedure
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
     try:
         server = ServerProcedure(cfg, method, initial_shared_state(cfg, method), results)
         clients = build_clients(cfg, method_cls, records, overrides, device_for(cfg))
+        for cid, client in clients.items():
+            client.predictions_path = predictions_path(results.out_dir, cid)
         total = int(cfg.federate.total_round_num)
         progress = tqdm(range(total), desc=f'{cfg.fsplug.method} rounds', unit='round')
         for round_idx in progress:

@@ -1,0 +1,1 @@
+"""Benchmark preparation (Fed-VQA, Fed-Med): raw downloads -> normalised multimodal JSONL."""

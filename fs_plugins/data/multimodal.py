@@ -1,0 +1,77 @@
+"""Normalised multimodal records: one JSON object per line,
+
+    {"id": str, "image": path | [path, ...], "question": str, "answer": str,
+     "task": "vqa" | "report" | "detection" | ..., "source": str, "split": "train" | "test"}
+
+Image paths are relative to the JSONL file's folder or absolute; extra fields are kept (e.g.
+"answers", a list of acceptable VQA answers). `benchmarks_ext/*/prepare.py` write this format.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+REQUIRED_FIELDS = ('image', 'question', 'answer')
+
+
+def is_multimodal(record: dict) -> bool:
+    return isinstance(record, dict) and 'image' in record and 'question' in record
+
+
+def image_paths(record: dict) -> list[str]:
+    images = record['image']
+    return [images] if isinstance(images, str) else list(images)
+
+
+def _record_name(record: dict, index: int, path: str) -> str:
+    return f"record {record.get('id', index)!s} (line {index + 1} of {path})"
+
+
+def resolve_images(records: list[dict], path: str) -> list[dict]:
+    """Checks the required fields and makes image paths absolute; a missing image file
+    raises naming the file and the record."""
+    folder = os.path.dirname(os.path.abspath(path))
+    resolved = []
+    for index, record in enumerate(records):
+        missing = [k for k in REQUIRED_FIELDS if k not in record]
+        if missing:
+            raise ValueError(f"{_record_name(record, index, path)} lacks field(s) {missing}")
+        images = [p if os.path.isabs(p) else os.path.join(folder, p) for p in image_paths(record)]
+        for image in images:
+            if not os.path.isfile(image):
+                raise FileNotFoundError(f"Image file not found: {image} "
+                                        f"({_record_name(record, index, path)})")
+        resolved.append({**record, 'id': str(record.get('id', index)),
+                         'image': images[0] if isinstance(record['image'], str) else images})
+    return resolved
+
+
+def open_images(record: dict) -> list:
+    """The record's images as RGB PIL images; an unreadable file raises naming it."""
+    from PIL import Image, UnidentifiedImageError
+    opened = []
+    for path in image_paths(record):
+        try:
+            with Image.open(path) as image:
+                opened.append(image.convert('RGB'))
+        except (OSError, UnidentifiedImageError) as exc:
+            raise ValueError(f"Cannot read image {path} of record {record.get('id')}: "
+                             f"{exc}") from exc
+    return opened
+
+
+def reference_answer(record: dict):
+    """What generation-based metrics compare with: the list of acceptable answers when the
+    record has one, else its answer (multimodal) or output (instruction records)."""
+    if record.get('answers'):
+        return list(record['answers'])
+    return record['answer'] if 'answer' in record else record.get('output', '')
+
+
+def write_jsonl(path: str, records) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + '.tmp'
+    with open(tmp, 'w', encoding='utf-8') as handle:
+        for record in records:
+            handle.write(json.dumps(record) + '\n')
+    os.replace(tmp, path)

