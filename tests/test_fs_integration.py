@@ -67,7 +67,12 @@ def _embedded_rows(tmp_path, cfg_dict, client_cfgs=None):
 MIXED_RANKS = {f'client_{i}': {'fsplug': {'model': {'lora': {'r': r}}}}
                for i, r in zip((1, 2, 3, 4), (2, 4, 8, 16))}
 METHODS = ['fedavg', 'standalone', 'toy_phased', 'fed_a2', 'fedex', 'ffa', 'fedsa', 'feddpa',
-           'fedprox', 'fedadam', 'fedyogi', 'fedadagrad', 'scaffold', 'hetlora', 'flexlora']
+           'fedprox', 'fedadam', 'fedyogi', 'fedadagrad', 'scaffold', 'hetlora', 'flexlora',
+           'fedmole']
+METHODS.append('flame')  # on the tiny OLMoE, clients at budget levels 8, 4, 2, 1
+FLAME_MODEL = {'model': {'type': 'tiny-olmoe@fsplug_llm'}, 'fsplug': {'model': {
+    'builder': 'tiny_olmoe', 'lora': {'target_modules': ['q_proj', 'v_proj'], 'target_parameters': [
+        'mlp.experts.gate_up_proj', 'mlp.experts.down_proj']}}}}
 
 
 @pytest.mark.parametrize('method', METHODS)
@@ -77,6 +82,8 @@ def test_fs_standalone_matches_embedded(tmp_path, method):
     cfg = tiny_config(tmp_path, method, rounds=2, steps=3)
     if method == 'toy_phased':
         deep_update(cfg, TOY)
+    if method == 'flame':
+        deep_update(cfg, FLAME_MODEL)
     deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
     client_cfgs = MIXED_RANKS if method in ('hetlora', 'flexlora') else None
     args = ['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)]

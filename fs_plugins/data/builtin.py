@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 
+from fs_plugins.data.easyvqa import easyvqa_records
+
 _WORDS = ('apple river stone cloud green quick music paper light ocean tiger window '
           'silver garden planet yellow forest candle bridge winter').split()
 
@@ -47,7 +49,23 @@ def tiny_tasks_records(per_category: int = 60, seed: int = 0) -> list[dict]:
     return records
 
 
-BUILTIN_DATASETS = {'tiny_tasks': tiny_tasks_records}
+def champ_math_records() -> list[dict]:
+    """The 270 competition math problems of CHAMP (`pip install champ-dataset`, MIT), read
+    offline from the package: instruction = problem, output = its final answer, category =
+    one of Combinatorics, Inequality, Number-Theory, Polynomial, Sequence."""
+    from importlib import resources
+    try:
+        source = resources.files('champ_dataset') / 'dataset_files' / 'v0.json'
+    except ModuleNotFoundError:
+        raise FileNotFoundError("data.type champ_math needs the champ-dataset package: "
+                                "pip install champ-dataset") from None
+    problems = json.loads(source.read_text(encoding='utf-8'))['problems']
+    return [{'instruction': p['_text'], 'input': '', 'output': p['_answer'],
+             'category': p['category'], 'id': p['identifier']} for p in problems.values()]
+
+
+BUILTIN_DATASETS = {'tiny_tasks': tiny_tasks_records, 'champ_math': champ_math_records,
+                    'easyvqa': easyvqa_records}
 
 
 def ensure_builtin(name: str, root: str) -> str | None:

@@ -11,7 +11,7 @@ import numpy as np
 
 SHAPES = frozenset({'circle', 'rectangle', 'triangle'})
 COLOURS = frozenset({'red', 'green', 'blue', 'black', 'gray', 'teal', 'brown', 'yellow'})
-TRAIN_PER_TASK, TEST_PER_TASK, SUBSET_SEED = 600, 50, 0
+TRAIN_PER_TASK, TEST_PER_TASK, SUBSET_SEED = 600, 30, 0
 
 
 def question_task(answer: str) -> str:

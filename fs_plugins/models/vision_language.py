@@ -160,17 +160,19 @@ def build_tiny_qwen2vl_dir(path: str, seed: int = 1234) -> None:
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(path)
 
 
-def _tiny_dir(path: str, name: str, build) -> str:
-    if path and path not in ('', name.rsplit('-v', 1)[0]):
-        return ensure_cached_dir(path, build)
-    return ensure_cached_dir(None, build, name)
+def _tiny_dir(path: str, builder: str, cache_name: str, build) -> str:
+    """model.type '' or the builder's name: the cache folder; anything else: that folder."""
+    if path in ('', builder, builder.replace('_', '-')):
+        return ensure_cached_dir(None, build, cache_name)
+    return ensure_cached_dir(path, build)
 
 
 @register_builder('tiny_llava')
 def load_tiny_llava(cfg, path: str) -> LoadedBase:
-    return load_llava(cfg, _tiny_dir(path, 'tiny-llava-v1', build_tiny_llava_dir))
+    return load_llava(cfg, _tiny_dir(path, 'tiny_llava', 'tiny-llava-v1', build_tiny_llava_dir))
 
 
 @register_builder('tiny_qwen2_vl')
 def load_tiny_qwen2_vl(cfg, path: str) -> LoadedBase:
-    return load_qwen2_vl(cfg, _tiny_dir(path, 'tiny-qwen2-vl-v1', build_tiny_qwen2vl_dir))
+    return load_qwen2_vl(cfg, _tiny_dir(path, 'tiny_qwen2_vl', 'tiny-qwen2-vl-v1',
+                                        build_tiny_qwen2vl_dir))
