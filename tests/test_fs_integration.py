@@ -207,3 +207,24 @@ def test_grpc_module_is_regenerated_into_cache(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith(os.environ['FSPLUG_CACHE'])
+
+
+def test_fs_standalone_multimodal_with_generation_matches_embedded(tmp_path):
+    """A tiny LLaVA on image records, with generation-based VQA accuracy, through FS
+    standalone: same rows as the embedded runner (test_vqa_acc included)."""
+    from test_multimodal import write_vqa_fixture
+    write_vqa_fixture(str(tmp_path / 'data'))
+    cfg = tiny_config(tmp_path, 'fedavg', rounds=2, steps=2)
+    deep_update(cfg, {
+        'data': {'root': str(tmp_path / 'data'), 'type': 'vqa.jsonl@fsplug', 'splitter': 'by_source'},
+        'model': {'type': 'tiny_llava@fsplug_llm'}, 'llm': {'tok_len': 64},
+        'federate': {'client_num': 2, 'sample_client_num': 2}, 'dataloader': {'batch_size': 4},
+        'fsplug': {'results_dir': str(tmp_path / 'fs'),
+                   'model': {'builder': 'tiny_llava', 'lora': {'target_modules': ['q_proj', 'v_proj']}},
+                   'data': {'split_field': 'source', 'split_from_records': True},
+                   'eval': {'generate': True, 'max_new_tokens': 3, 'gen_metrics': ['vqa_acc']}}})
+    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fs_rows = read_rows(str(tmp_path / 'fs'))
+    assert any('test_vqa_acc' in r for r in fs_rows)
+    assert_same_numbers(fs_rows, _embedded_rows(tmp_path, cfg, None))

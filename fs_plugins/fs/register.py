@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 
 from fs_plugins.metrics import REPORTED_METRICS, next_token_accuracy
+from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
 from fs_plugins.config import (MODEL_TYPE_SUFFIX, PLUGIN_FEDERATE_METHOD, PLUGIN_TRAINER_TYPE,
                                ConfigError, import_extra_modules, fsplug_defaults, validate)
 
 logger = logging.getLogger(__name__)
 _REGISTERED = False
 # what ClientProcedure.evaluate('test') reports (FS's early stopper reads one of them)
-EVAL_METRICS = ('test_avg_loss', 'test_token_acc')
+EVAL_METRICS = ('test_avg_loss', 'test_token_acc') + tuple(f'test_{n}' for n in GENERATION_METRICS)
 
 
 def _to_cfg_node(cls, values: dict):
@@ -54,7 +55,8 @@ def check_fs_cfg(cfg) -> None:
                         ('asyn.use', cfg.asyn.use)):
         if active:
             raise ConfigError(f"{key} is not supported with fsplug methods; turn it off")
-    for name in REPORTED_METRICS:  # FS's monitor only accepts metrics listed in eval.metrics
+    # FS's monitor only accepts metrics listed in eval.metrics
+    for name in list(REPORTED_METRICS) + list(cfg.fsplug.eval.gen_metrics):
         if name not in cfg.eval.metrics:
             cfg.eval.metrics.append(name)
     if cfg.eval.best_res_update_round_wise_key not in EVAL_METRICS:
@@ -98,6 +100,18 @@ def lookup_metric(types):
     return None
 
 
+def generation_metric_lookup(name: str):
+    """Tells FS's monitor that `name` exists and that larger is better. fsplug clients compute
+    it in their own evaluation (by generation); FS's logits-based metric path cannot."""
+    def not_from_logits(ctx, y_true, y_pred, y_prob, **kwargs):
+        raise RuntimeError(f"'{name}' is computed by fsplug clients from generated answers "
+                           f"(fsplug.eval.gen_metrics), not from FS's evaluation logits")
+
+    def lookup(types):
+        return (name, not_from_logits, True) if name in types else None
+    return lookup
+
+
 def register_all(config_module) -> None:
     global _REGISTERED
     if _REGISTERED:
@@ -112,6 +126,8 @@ def register_all(config_module) -> None:
     register.register_trainer('fsplug', lookup_trainer)
     register.register_worker('fsplug', lookup_worker)
     register.register_metric('fsplug', lookup_metric)
+    for name in GENERATION_METRICS:
+        register.register_metric(f'fsplug_{name}', generation_metric_lookup(name))
     # Self-registering FS modules must be imported now: importing them lazily inside a
     # lookup mutates the registry while FS iterates over it.
     import federatedscope.llm.trainer.trainer  # noqa: F401
