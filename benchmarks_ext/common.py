@@ -19,6 +19,7 @@ import random
 import shutil
 from collections import Counter
 
+from fs_plugins.data.multimodal import write_jsonl
 from fs_plugins.metrics.vqa import normalize_answer
 from fs_plugins.seeding import derive_seed
 
@@ -131,14 +132,6 @@ def finalise(candidate: dict, *, source: str, split: str, task: str, client: str
               'task': task, 'source': source, 'split': split, 'client': client}
     record.update({k: v for k, v in candidate.items() if k not in record and k not in CANDIDATE_KEYS})
     return record
-
-
-def write_jsonl(path: str, records: list[dict]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + '.tmp'
-    with open(tmp, 'w', encoding='utf-8') as handle:
-        handle.writelines(json.dumps(record, ensure_ascii=False) + '\n' for record in records)
-    os.replace(tmp, path)
 
 
 def write_summary(path: str, summary: dict) -> None:

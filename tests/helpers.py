@@ -34,3 +34,21 @@ def write_yaml(path, cfg: dict) -> str:
     with open(path, 'w') as handle:
         yaml.safe_dump(cfg, handle)
     return str(path)
+
+
+def run_embedded_keeping_clients(cfg, client_cfgs=None):
+    """Runs the embedded runner on a loaded config; returns (results log, {client id:
+    ClientProcedure}) so tests can inspect each client's model and state after the run."""
+    from fs_plugins.sim import runner as runner_mod
+    captured = {}
+    original = runner_mod.build_clients
+
+    def spy(*args, **kwargs):
+        captured.update(original(*args, **kwargs))
+        return captured
+    runner_mod.build_clients = spy
+    try:
+        results = runner_mod.run_embedded(cfg, client_cfgs)
+    finally:
+        runner_mod.build_clients = original
+    return results, captured

@@ -10,7 +10,7 @@ from fs_plugins.methods.fedmole import AGGREGATED_KINDS, ROUTED, ROUTER, SHARED,
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.sim import runner as runner_mod
 from fs_plugins.tuners.mole import MoleConfig, RoutedLoraExperts, dense_reference
-from helpers import tiny_config, write_yaml
+from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 
 # tiny model: 2 layers, hidden 64, intermediate 128; LoRA r = 8 on q, v, up, down
 LAYERS, HIDDEN, INTER, R = 2, 64, 128, 8
@@ -105,18 +105,8 @@ def run(tmp_path, method='fedmole', rounds=2, steps=2, **fedmole):
     """Embedded run; returns (train rows, {client id: ClientProcedure})."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = load(tmp_path, method, rounds, steps, **fedmole)
-    captured = {}
-    original = runner_mod.build_clients
-
-    def spy(*args, **kwargs):
-        captured.update(original(*args, **kwargs))
-        return captured
-    runner_mod.build_clients = spy
-    try:
-        results = runner_mod.run_embedded(cfg)
-    finally:
-        runner_mod.build_clients = original
-    return [r for r in results.rows if r['kind'] == 'train'], captured
+    results, clients = run_embedded_keeping_clients(cfg)
+    return [r for r in results.rows if r['kind'] == 'train'], clients
 
 
 def kinds_of(names):

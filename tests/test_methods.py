@@ -6,8 +6,7 @@ import torch
 from fs_plugins.aggregation.server_opt import adaptive_server_step
 from fs_plugins.config import load_config
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.sim import runner as runner_mod
-from helpers import tiny_config, write_yaml
+from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 
 # tiny model: 2 layers; targets q,v (64x64), up (128<-64), down (64<-128); r = 8
 TARGETS = {'q_proj': (64, 64), 'v_proj': (64, 64), 'up_proj': (128, 64), 'down_proj': (64, 128)}
@@ -21,18 +20,7 @@ def run(tmp_path, method, client_cfgs=None, rounds=2, **updates):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, method, rounds=rounds,
                                                                   steps=2, **updates)))
-    captured = {}
-    original = runner_mod.build_clients
-
-    def spy(*args, **kwargs):
-        captured.update(original(*args, **kwargs))
-        return captured
-    runner_mod.build_clients = spy
-    try:
-        results = runner_mod.run_embedded(cfg, client_cfgs)
-    finally:
-        runner_mod.build_clients = original
-    return results, captured
+    return run_embedded_keeping_clients(cfg, client_cfgs)
 
 
 def train_rows(results):

@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from fs_plugins.data.easyvqa import easyvqa_records
+from fs_plugins.data.multimodal import write_jsonl
 
 _WORDS = ('apple river stone cloud green quick music paper light ocean tiger window '
           'silver garden planet yellow forest candle bridge winter').split()
@@ -74,10 +75,5 @@ def ensure_builtin(name: str, root: str) -> str | None:
         return None
     path = os.path.join(root, f'{name}.jsonl')
     if not os.path.isfile(path):
-        os.makedirs(root, exist_ok=True)
-        tmp = path + '.tmp'
-        with open(tmp, 'w', encoding='utf-8') as handle:
-            for rec in BUILTIN_DATASETS[name]():
-                handle.write(json.dumps(rec) + '\n')
-        os.replace(tmp, path)
+        write_jsonl(path, BUILTIN_DATASETS[name]())
     return path

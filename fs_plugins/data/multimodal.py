@@ -69,9 +69,10 @@ def reference_answer(record: dict):
 
 
 def write_jsonl(path: str, records) -> None:
+    """Writes records one JSON object per line, atomically (a staging file, then a rename)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + '.tmp'
     with open(tmp, 'w', encoding='utf-8') as handle:
         for record in records:
-            handle.write(json.dumps(record) + '\n')
+            handle.write(json.dumps(record, ensure_ascii=False) + '\n')
     os.replace(tmp, path)
