@@ -115,12 +115,15 @@ def _wait_for_port(port, proc, timeout):
     raise AssertionError(f'FS server did not listen on 127.0.0.1:{port} within {timeout}s')
 
 
-def test_fs_distributed_matches_embedded(tmp_path):
-    """Server + 2 clients over gRPC on 127.0.0.1, with client-local state and extra payloads
-    (toy_phased); bounded in time; same numbers as the embedded runner."""
-    base = deep_update(tiny_config(tmp_path, 'toy_phased', rounds=2, steps=3,
-                                   federate={'client_num': 2, 'sample_client_num': 2},
-                                   data={'splitter': 'iid'}), TOY)
+@pytest.mark.parametrize('method', ['toy_phased', 'fedmole'])
+def test_fs_distributed_matches_embedded(tmp_path, method):
+    """Server + 2 clients over gRPC on 127.0.0.1, with client-local state that persists across
+    rounds and phases (toy_phased with extra payloads; fedmole's routed experts and routers);
+    bounded in time; same numbers as the embedded runner."""
+    base = tiny_config(tmp_path, method, rounds=2, steps=3,
+                       federate={'client_num': 2, 'sample_client_num': 2}, data={'splitter': 'iid'})
+    if method == 'toy_phased':
+        deep_update(base, TOY)
     server_port, *client_ports = _free_ports(3)
     procs = []
     for role, idx, port in [('server', 0, server_port), ('client', 1, client_ports[0]),
