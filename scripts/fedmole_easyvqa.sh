@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Fed-MoLE's easyvqa experiment (issue 4): Standalone, FedAvg, Fed-MoLE and the ablations
+# V1 (no ADA), M1 (aggregate shared + routed + routers), M2 (aggregate nothing) and
+# M3 (aggregate shared + routers), with the same seed and budget (6 rounds x 10 local steps,
+# batch 4). Standalone and FedAvg put plain LoRA on the same targets as Fed-MoLE
+# (q_proj, v_proj, up_proj), so only the up_proj adapter's form and what is shared differ.
+#   SEEDS="1 2" bash scripts/fedmole_easyvqa.sh      (default: SEEDS=1)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=exp/fedmole_easyvqa
+same_targets=(fsplug.model.lora.target_modules "[q_proj, v_proj, up_proj]")
+dirs=()
+for seed in ${SEEDS:-1}; do
+  for run in standalone fedavg fedmole fedmole_v1 fedmole_m1 fedmole_m2 fedmole_m3; do
+    case $run in
+      standalone|fedavg) cfg=yamls/$run/easyvqa.yaml; extra=("${same_targets[@]}") ;;
+      fedmole) cfg=yamls/fedmole/easyvqa.yaml; extra=() ;;
+      *) cfg=yamls/fedmole/easyvqa_${run#fedmole_}.yaml; extra=() ;;
+    esac
+    dir=$out/seed$seed/$run
+    dirs+=("$dir")
+    [ -f "$dir/summary.md" ] && { echo "$dir: done already, kept"; continue; }
+    fs-plugins run --cfg "$cfg" seed "$seed" fsplug.results_dir "$dir" "${extra[@]}"
+  done
+done
+python scripts/compare.py "${dirs[@]}" --metric test_vqa_acc \
+  --csv "$out/compare.csv" --plot "$out/test_vqa_acc.png"
