@@ -1,6 +1,7 @@
 """The easyvqa default benchmark: its records, its client split and its vision-tower setup.
 Needs the easy-vqa package (in the `test` extra); SmolLM2 itself is not needed here."""
 import os
+from collections import Counter
 
 import pytest
 
@@ -21,9 +22,7 @@ def records():
 
 def test_records_are_seeded_subsets_per_task(records):
     assert records == easyvqa_records()
-    counts = {}
-    for record in records:
-        counts[(record['split'], record['task'])] = counts.get((record['split'], record['task']), 0) + 1
+    counts = Counter((record['split'], record['task']) for record in records)
     assert counts == {(split, task): size for split, size in (('train', 600), ('test', 30))
                       for task in ('colour', 'shape', 'yes_no')}
     assert len({r['id'] for r in records}) == len(records)
@@ -59,13 +58,11 @@ def test_vision_tower_pretraining_learns_held_out_shapes_and_colours():
     """Two epochs lift joint shape+colour accuracy on the unseen test images well above
     chance (1/24); the full setup runs 30 epochs."""
     import torch
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-    from fs_plugins.models.easyvqa_llava import IMAGE_SIZE, VISION, pretrain_vision_tower
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+    from fs_plugins.models.easyvqa_llava import VISION, easyvqa_image_processor, pretrain_vision_tower
     torch.manual_seed(0)
     tower = CLIPVisionModel(CLIPVisionConfig(**VISION))
-    processor = CLIPImageProcessor(size={'shortest_edge': IMAGE_SIZE},
-                                   crop_size={'height': IMAGE_SIZE, 'width': IMAGE_SIZE})
     before = [p.detach().clone() for p in tower.parameters()]
-    accuracy = pretrain_vision_tower(tower, processor, epochs=2)
+    accuracy = pretrain_vision_tower(tower, easyvqa_image_processor(), epochs=2)
     assert accuracy > 0.15
     assert any(not torch.equal(a, b) for a, b in zip(before, tower.parameters()))

