@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error('--runner fs: FederatedScope is not importable (see README: Install)')
         else:
             run_embedded_cli(args.cfg, args.client_cfg, args.opts, 'FederatedScope not installed')
-    except (ConfigError, FileNotFoundError) as exc:
+    except ConfigError as exc:
+        print('fs-plugins: config error:\n' + '\n'.join(f'  {p}' for p in exc.problems),
+              file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
         print(f'fs-plugins: error: {exc}', file=sys.stderr)
         return 2
     return 0

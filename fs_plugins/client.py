@@ -47,7 +47,7 @@ class ClientProcedure:
             raise ValueError(f"Client {client_id} has no usable training records")
         self.collate = self.codec.collate
         self.predictions_path = None   # where evaluate() writes generated answers, if set
-        self.batch_size = int(cfg.dataloader.batch_size)
+        self.batch_size = cfg.dataloader.batch_size
         self.stream = BatchStream(self.train_data, self.collate, self.batch_size, cfg.seed,
                                   client_id)
         self.state = method.init_client_state(self.model, cfg)
@@ -97,7 +97,7 @@ class ClientProcedure:
         self.optimizer.zero_grad(set_to_none=True)  # frozen phases keep grad None: no update
         loss.backward()
         self.method.before_optimizer_step(self.model, self.state)
-        clip = float(self.cfg.grad.grad_clip)
+        clip = self.cfg.grad.grad_clip
         if clip > 0:
             torch.nn.utils.clip_grad_norm_([self.params[n] for n in self.trainable_names], clip)
         self.optimizer.step()
@@ -151,7 +151,7 @@ class ClientProcedure:
         return results
 
     def _eval_batch_size(self) -> int:
-        return int(self.cfg.fsplug.eval.batch_size) or self.batch_size
+        return self.cfg.fsplug.eval.batch_size or self.batch_size
 
     def _token_metrics(self, dataset, split: str) -> dict:
         loss_sum, correct, tokens = 0.0, 0, 0
@@ -165,10 +165,10 @@ class ClientProcedure:
                 f'{split}_total': len(dataset)}
 
     def _generation_metrics(self, dataset, split: str) -> dict:
-        limit = int(self.cfg.fsplug.eval.max_gen_samples) or len(dataset)
+        limit = self.cfg.fsplug.eval.max_gen_samples or len(dataset)
         records = dataset.records[:limit]
         predictions = generate_answers(self.model, self.codec, records, self._eval_batch_size(),
-                                       int(self.cfg.fsplug.eval.max_new_tokens), self.device)
+                                       self.cfg.fsplug.eval.max_new_tokens, self.device)
         references = [reference_answer(r) for r in records]
         if self.predictions_path:
             write_predictions(self.predictions_path, self.client_id, records, predictions)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from fs_plugins.config import ConfigError, to_plain
+from fs_plugins.errors import ConfigError
+from fs_plugins.schema.options import to_plain
 
 
 def build_optimizer(params, optimizer_cfg) -> torch.optim.Optimizer:

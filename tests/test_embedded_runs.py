@@ -99,14 +99,21 @@ def test_bad_target_modules_named(tmp_path):
 
 
 def test_heterogeneous_ranks_and_lr_per_client(tmp_path):
-    """(d) different architecture (LoRA rank) and hyper-parameters (lr) per client."""
+    """(d) `--client_cfg` really changes the client: its LoRA rank and its learning rate."""
+    from helpers import run_embedded_keeping_clients
     client_cfgs = {'client_1': {'fsplug': {'model': {'lora': {'r': 2}}}},
                    'client_2': {'fsplug': {'model': {'lora': {'r': 16}}},
-                                'train': {'optimizer': {'lr': 0.0}}}}
-    results = _run(tmp_path, 'standalone', client_cfgs)
+                                'train': {'optimizer': {'lr': 0.05}}}}
+    cfg = load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, 'standalone')))
+    results, clients = run_embedded_keeping_clients(cfg, client_cfgs)
     assert len(_rows(results, 'eval')) == 8
-    info = json.load(open(os.path.join(results.out_dir, 'run_info.json')))
-    assert info['method'] == 'standalone'
+    a_key = next(n for n in clients[1].trainable_names if 'lora_A' in n)
+    ranks = {cid: clients[cid].params[a_key].shape[0] for cid in (1, 2, 3)}
+    assert ranks == {1: 2, 2: 16, 3: 8}
+    clients[2].begin_round()
+    clients[3].begin_round()
+    assert clients[2].optimizer.param_groups[0]['lr'] == 0.05
+    assert clients[3].optimizer.param_groups[0]['lr'] == cfg.train.optimizer.lr == 0.01
 
 
 def test_fedavg_with_mixed_ranks_fails_naming_the_tensor(tmp_path):

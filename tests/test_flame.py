@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from fs_plugins.aggregation import activation_aware_weights, weighted_average
-from fs_plugins.aggregation.activation import merge_experts, split_experts
+from fs_plugins.aggregation.experts import fuse, merge_experts, split_experts, unfuse
 from fs_plugins.config import ConfigError, client_config, load_config
 from fs_plugins.methods.base import ClientUpdate
-from fs_plugins.methods.flame import (COUNTS_PREFIX, DEFAULT_TOP_K_KEY, STEPS_KEY, Flame,
-                                      HetLoRAExperts, fuse, moe_blocks, unfuse)
+from fs_plugins.methods.expertwise import HetLoRAExperts
+from fs_plugins.methods.flame import COUNTS_PREFIX, DEFAULT_TOP_K_KEY, STEPS_KEY, Flame
+from fs_plugins.tuners.flame import moe_blocks
 from fs_plugins.models.olmoe import EXPERT_LORA_PARAMETERS, random_olmoe
 from helpers import deep_update, tiny_config, write_yaml
 

@@ -41,7 +41,7 @@ def vl_config(tmp_path, builder, **updates):
     cfg = tiny_config(tmp_path, 'fedavg', rounds=2, steps=2, **{
         'data': {'root': str(tmp_path / 'data'), 'type': 'vqa.jsonl@fsplug', 'splitter': 'by_source'},
         'llm': {'tok_len': 128},
-        'federate': {'client_num': 0, 'sample_client_num': 0},
+        'federate': {'client_num': 2, 'sample_client_num': 2},
         'dataloader': {'batch_size': 4},
         'fsplug': {'model': {'builder': builder, 'lora': {'target_modules': ['q_proj', 'v_proj']}},
                    'data': {'split_field': 'source', 'split_from_records': True},

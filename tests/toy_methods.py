@@ -7,22 +7,32 @@
       personalised download: each client gets the average of the OTHER clients' lora_A;
 - (e) server state: how many rounds it aggregated and the counters it last received.
 """
+from dataclasses import dataclass
+
 import torch
 
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.methods import Method, Phase, register_method
+from fs_plugins.schema import option
+
+
+@dataclass
+class ToyPhasedConfig:
+    first_phase_steps: int = option(1, 'local steps of the first phase (lora_A trains)', ge=0)
+    fail_at_round: int = option(-1, 'raise in aggregation at this round (-1: never)', ge=0,
+                                special=(-1,))
 
 
 @register_method
 class ToyPhased(Method):
     name = 'toy_phased'
-    defaults = {'first_phase_steps': 1, 'fail_at_round': -1}
+    config_class = ToyPhasedConfig
 
     def is_shared(self, name):
         return 'lora_A' in name
 
     def phases(self, num_steps, cfg):
-        first = min(int(self.hparams['first_phase_steps']), num_steps)
+        first = min(self.hparams.first_phase_steps, num_steps)
         return [Phase('A', first, lambda n: 'lora_A' in n),
                 Phase('B', num_steps - first, lambda n: 'lora_B' in n)]
 
@@ -39,7 +49,7 @@ class ToyPhased(Method):
         return {'global': dict(initial_shared), 'per_client': {}, 'rounds': 0, 'counters': {}}
 
     def aggregate(self, server_state, updates):
-        fail_at = int(self.hparams['fail_at_round'])
+        fail_at = self.hparams.fail_at_round
         if fail_at >= 0 and server_state['rounds'] == fail_at:
             raise RuntimeError(f'toy_phased: planned failure at round {fail_at}')
         per_client = dict(server_state['per_client'])

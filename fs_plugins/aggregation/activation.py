@@ -8,10 +8,7 @@ least one token in a_i^j of those steps. The server weighs client i on expert j 
 (temperature t; t = 0 gives FedAvg's p_i = |D_i| / Σ|D_l|). An expert that no client of the
 round activated keeps its previous global value.
 
-Fused expert LoRA (peft `target_parameters` on a 3-D expert parameter, E experts, rank r):
-lora_A is (E·r, d_in) with expert e's rows at [e·r, (e+1)·r) — i.e. reshape(E, r, d_in) — and
-lora_B is (d_out, E·r) with expert e's columns at e, e+E, e+2E, … — i.e. reshape(d_out, r, E).
-`split_experts` / `merge_experts` convert between that layout and a per-expert stack.
+Fused expert factors are split per expert with `aggregation.experts.split_experts`.
 """
 from __future__ import annotations
 
@@ -19,10 +16,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from fs_plugins.aggregation.pairs import is_lora_a
+from fs_plugins.aggregation.average import weighted_average
+from fs_plugins.aggregation.experts import block_of, is_expert_factor, merge_experts, split_experts
 
 __all__ = ['activation_aware_weights', 'split_experts', 'merge_experts',
-           'aggregate_expert_factor']
+           'aggregate_expert_factor', 'activation_aware_average']
 
 
 def activation_aware_weights(counts, steps, sizes, temperature: float) -> torch.Tensor:
@@ -56,26 +54,6 @@ def activation_aware_weights(counts, steps, sizes, temperature: float) -> torch.
                        torch.zeros_like(gamma))
 
 
-def split_experts(key: str, tensor: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Fused factor -> per-expert stack: A (E·r, d_in) -> (E, r, d_in); B (d_out, E·r) -> (E, d_out, r)."""
-    if tensor.dim() != 2:
-        raise ValueError(f"'{key}': a fused expert LoRA factor must be 2-D, got {tuple(tensor.shape)}")
-    rank_dim = 0 if is_lora_a(key) else 1
-    if tensor.shape[rank_dim] % num_experts:
-        raise ValueError(f"'{key}': shape {tuple(tensor.shape)} is not {num_experts} experts × rank")
-    if is_lora_a(key):
-        return tensor.reshape(num_experts, -1, tensor.shape[1])
-    return tensor.reshape(tensor.shape[0], -1, num_experts).permute(2, 0, 1)
-
-
-def merge_experts(key: str, stack: torch.Tensor) -> torch.Tensor:
-    """Inverse of `split_experts`."""
-    if is_lora_a(key):
-        return stack.reshape(-1, stack.shape[-1]).contiguous()
-    num_experts, d_out, rank = stack.shape
-    return stack.permute(1, 2, 0).reshape(d_out, rank * num_experts).contiguous()
-
-
 def aggregate_expert_factor(key: str, client_tensors: Sequence[torch.Tensor],
                             weights: torch.Tensor, previous: Optional[torch.Tensor]) -> torch.Tensor:
     """Σ_i p_i^j X_i^j per expert j of one fused factor; experts whose weight column is all zero
@@ -102,3 +80,30 @@ def aggregate_expert_factor(key: str, client_tensors: Sequence[torch.Tensor],
         old = split_experts(key, previous.detach().to('cpu', acc_dtype), num_experts)
         acc = torch.where(keep.reshape(-1, 1, 1), old, acc)
     return merge_experts(key, acc).to(dtype)
+
+
+def activation_aware_average(previous: dict, states: Sequence[dict], sizes: Sequence[float],
+                             steps: Sequence[float], counts: Sequence[dict],
+                             temperature: float) -> dict:
+    """FLAME's server step as a pure function: every fused expert factor the clients share is
+    averaged expert by expert with `activation_aware_weights` (experts no client activated
+    keep `previous`); every other shared tensor is sample-weighted FedAvg.
+
+    states: the clients' shared tensors; counts: per client {MoE block: (E,) activated-step
+    counts}; steps: local steps S_i; sizes: |D_i|. Returns the merged tensors."""
+    shared = set.intersection(*(set(s) for s in states))
+    merged = weighted_average([{k: v for k, v in s.items() if not is_expert_factor(k)}
+                               for s in states], sizes)
+    weights = {}
+    for key in sorted(k for k in shared if is_expert_factor(k)):
+        block = block_of(key)
+        if block not in weights:
+            missing = [i for i, c in enumerate(counts) if block not in c]
+            if missing:
+                raise KeyError(f"'{key}': client(s) {missing} sent no activation counts for "
+                               f"MoE block '{block}'")
+            weights[block] = activation_aware_weights(torch.stack([c[block] for c in counts]),
+                                                      steps, sizes, temperature)
+        merged[key] = aggregate_expert_factor(key, [s[key] for s in states], weights[block],
+                                              previous.get(key))
+    return merged

@@ -387,3 +387,12 @@ def hetlora_truncate(A_global: torch.Tensor, B_global: torch.Tensor,
         raise ValueError(f'rank = {rank!r}; expected an integer in [1, {r_max}]')
     rank = int(rank)
     return A_global[:rank].clone(), B_global[:, :rank].clone()
+
+
+def fedex_residual(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
+                   A_avg: torch.Tensor, B_avg: torch.Tensor) -> torch.Tensor:
+    """FedEx-LoRA's residual R = Σ p_k B_k A_k − B̄ Ā (d_out × d_in, float32): the part of the
+    averaged update that the product of the averaged factors misses."""
+    p = normalise_weights(weights)
+    product = sum(float(pk) * (b.float() @ a.float()) for pk, a, b in zip(p, As, Bs))
+    return product - B_avg.float() @ A_avg.float()

@@ -71,11 +71,10 @@ def build_federated_records(cfg) -> FederatedRecords:
     data_cfg = cfg.fsplug.data
     records = load_records(resolve_data_path(cfg))
     if data_cfg.max_records:
-        records = records[:int(data_cfg.max_records)]
-    parts = splitters.split(cfg.data.splitter, records, int(cfg.federate.client_num),
+        records = records[:data_cfg.max_records]
+    parts = splitters.split(cfg.data.splitter, records, cfg.federate.client_num,
                             derive_seed(cfg.seed, 'split'), field=data_cfg.split_field,
-                            alpha=float(data_cfg.dirichlet_alpha),
-                            min_size=int(data_cfg.min_client_size))
+                            alpha=data_cfg.dirichlet_alpha, min_size=data_cfg.min_client_size)
     names = (splitters.source_names(records, data_cfg.split_field)
              if cfg.data.splitter == 'by_source' else [f'client_{i + 1}' for i in range(len(parts))])
     clients, client_names = {}, {}
@@ -86,7 +85,7 @@ def build_federated_records(cfg) -> FederatedRecords:
         if data_cfg.split_from_records:
             train_idx, test_idx = _split_from_records(records, indices, cid)
         else:
-            train_idx, test_idx = _train_test(indices, float(data_cfg.test_fraction), cfg.seed,
+            train_idx, test_idx = _train_test(indices, data_cfg.test_fraction, cfg.seed,
                                               cid)
         clients[cid] = {'train': RecordList(records[i] for i in train_idx),
                         'test': RecordList(records[i] for i in test_idx)}

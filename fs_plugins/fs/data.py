@@ -3,20 +3,21 @@ from __future__ import annotations
 
 from fs_plugins.config import client_overrides
 from fs_plugins.data.federated import build_federated_records
-
-DATA_SUFFIX = '@fsplug'
+from fs_plugins.fs.config import fs_known_keys
+from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
 # client id -> name (source dataset), for result labels on the server of this process
 CLIENT_NAMES: dict[int, str] = {}
 
 
 def lookup_data(config, client_cfgs):
-    if not str(config.data.type).endswith(DATA_SUFFIX):
+    if not str(config.data.type).endswith('@' + DATA_TYPE_SUFFIX):
         return None
     records = build_federated_records(config)
-    client_overrides(client_cfgs, records.client_num)  # fails naming an unknown client id
+    config.federate.client_num = records.client_num
+    # every client entry checked (ids, keys, values) before any model is built
+    client_overrides(client_cfgs, config, fs_known_keys(config))
     CLIENT_NAMES.clear()
     CLIENT_NAMES.update(records.client_names)
-    config.federate.client_num = records.client_num
     if config.federate.mode.lower() == 'distributed':
         if config.distribute.role == 'server':
             return None, config

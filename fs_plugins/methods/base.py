@@ -20,6 +20,12 @@ from typing import Callable, ClassVar, Optional
 import torch
 
 from fs_plugins.aggregation import weighted_average
+from fs_plugins.schema.options import build, to_plain
+
+
+@dataclass
+class NoOptions:
+    """The config class of a method without hyper-parameters."""
 
 
 @dataclass
@@ -46,15 +52,27 @@ class Method:
     """Base class: FedAvg-style behaviour that subclasses override piece by piece."""
 
     name: ClassVar[str] = ''
-    # hyper-parameters under `fsplug.<name>`, with the paper's defaults
-    defaults: ClassVar[dict] = {}
+    # the typed, documented hyper-parameters under `fsplug.<name>` (a dataclass of
+    # `fs_plugins.schema.option` fields, defaults from the paper); `self.hparams` is one
+    config_class: ClassVar[type] = NoOptions
     # True when the method changes frozen base weights (then clients of one process must not
     # share them)
     modifies_frozen_weights: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.hparams = cfg.fsplug.get(self.name, {}) if self.name else {}
+        self.hparams = self.options(cfg)
+
+    @classmethod
+    def options(cls, cfg):
+        """The method's typed hyper-parameters from a (validated) config."""
+        return build(cls.config_class, to_plain(cfg['fsplug'].get(cls.name, {})))
+
+    @classmethod
+    def config_problems(cls, hparams, cfg) -> list[str]:
+        """Rules between this method's hyper-parameters and the rest of the config (plain
+        dicts, keys and types already checked); one line per problem, naming the key."""
+        return []
 
     # ------------------------------------------------------------------ model
     def adapt_model(self, model: torch.nn.Module, cfg) -> torch.nn.Module:

@@ -3,17 +3,25 @@ global LoRA adapter ('default', shared and averaged) and a local one ('local', n
 both active in the forward pass. Local round: first the global adapter trains
 (`global_fraction` of the steps), then the local adapter with the global one frozen."""
 import copy
+from dataclasses import dataclass
 
 from fs_plugins.methods.base import Method, Phase
 from fs_plugins.methods.registry import register_method
+from fs_plugins.schema import option
 
 GLOBAL, LOCAL = '.default.', '.local.'
+
+
+@dataclass
+class FedDPAConfig:
+    global_fraction: float = option(0.5, 'fraction of the local steps that train the global '
+                                         'adapter (the rest train the local one)', ge=0, le=1)
 
 
 @register_method
 class FedDPALoRA(Method):
     name = 'feddpa'
-    defaults = {'global_fraction': 0.5}
+    config_class = FedDPAConfig
 
     def adapt_model(self, model, cfg):
         model.add_adapter('local', copy.deepcopy(model.peft_config['default']))
@@ -27,6 +35,6 @@ class FedDPALoRA(Method):
         return GLOBAL in name
 
     def phases(self, num_steps, cfg):
-        first = int(round(float(self.hparams['global_fraction']) * num_steps))
+        first = int(round(self.hparams.global_fraction * num_steps))
         return [Phase('global', first, lambda n: GLOBAL in n),
                 Phase('local', num_steps - first, lambda n: LOCAL in n)]

@@ -7,18 +7,12 @@ receiving twice is harmless. The download is full size: that is the method's cos
 import torch
 
 from fs_plugins.aggregation import weighted_average
-from fs_plugins.aggregation.average import normalise_weights
+from fs_plugins.aggregation.lora import fedex_residual
 from fs_plugins.aggregation.pairs import lora_pairs
 from fs_plugins.methods.base import Method, load_tensors
 from fs_plugins.methods.registry import register_method
 
 RESIDUAL = 'residual/'
-
-
-def averaged_product(As, Bs, weights) -> torch.Tensor:
-    """Σ p_k B_k A_k (d_out × d_in), in float32."""
-    p = normalise_weights(weights)
-    return sum(float(pk) * (b.float() @ a.float()) for pk, a, b in zip(p, As, Bs))
 
 
 @register_method
@@ -37,9 +31,9 @@ class FedExLoRA(Method):
         merged = weighted_average([u.shared for u in updates], weights)
         residual = dict(server_state['residual'])
         for prefix, (a_key, b_key) in lora_pairs(merged).items():
-            step = (averaged_product([u.shared[a_key] for u in updates],
-                                     [u.shared[b_key] for u in updates], weights)
-                    - merged[b_key].float() @ merged[a_key].float())
+            step = fedex_residual([u.shared[a_key] for u in updates],
+                                  [u.shared[b_key] for u in updates], weights,
+                                  merged[a_key], merged[b_key])
             residual[prefix] = residual[prefix] + step if prefix in residual else step
         return {'global': {**server_state['global'], **merged}, 'residual': residual}
 

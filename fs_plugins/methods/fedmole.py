@@ -13,9 +13,12 @@ Ablations (paper Tables 3-4): `alternating: false` is V1 (one phase, everything 
 """
 from __future__ import annotations
 
-from fs_plugins.config import ConfigError
+from dataclasses import dataclass
+
+from fs_plugins.errors import ConfigError
 from fs_plugins.methods.base import Method, Phase
 from fs_plugins.methods.registry import register_method
+from fs_plugins.schema import option
 from fs_plugins.tuners.mole import MoleConfig, inject_mole, is_router, is_routed_expert
 
 SHARED, ROUTED, ROUTER = 'shared', 'routed', 'router'
@@ -35,57 +38,65 @@ def parameter_kind(name: str) -> str:
     return SHARED
 
 
+@dataclass
+class FedMoLEConfig:
+    target_modules: list[str] = option(
+        ['up_proj'], 'LoRA targets that get N routed experts + a router (their LoRA adapter is the '
+                     'shared expert); each must be in fsplug.model.lora.target_modules', min_items=1)
+    num_experts: int = option(8, 'routed LoRA experts N per MoLE layer', ge=1)
+    top_k: int = option(2, 'experts K each token is routed to (top-K router)', ge=1)
+    router_init_std: float = option(0.02, 'router init N(0, std²); 0 = all-zero router', ge=0)
+    alternating: bool = option(True, 'ADA: routed phase, then shared phase; false = ablation V1 '
+                                     '(everything trains jointly)')
+    routed_fraction: float = option(0.5, 'fraction of the local steps in the routed phase', ge=0, le=1)
+    aggregate: str = option('shared', 'what is aggregated: shared (paper) | all (M1) | none (M2) | '
+                                      'shared_router (M3)', choices=tuple(AGGREGATED_KINDS))
+
+
+def _last_name(module: str) -> str:
+    return module.rsplit('.', 1)[-1]
+
+
 @register_method
 class FedMoLE(Method):
     name = 'fedmole'
-    defaults = {
-        'target_modules': ['up_proj'],
-        'num_experts': 8,
-        'top_k': 2,
-        # router init N(0, std^2); 0 = all-zero router
-        'router_init_std': 0.02,
-        # ADA; false = ablation V1 (all parameters trained jointly in one phase)
-        'alternating': True,
-        # fraction of the local steps in the first phase (routed experts + routers)
-        'routed_fraction': 0.5,
-        # shared (paper) | all (M1) | none (M2) | shared_router (M3)
-        'aggregate': 'shared',
-    }
+    config_class = FedMoLEConfig
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        aggregate = self.hparams['aggregate']
-        if aggregate not in AGGREGATED_KINDS:
-            raise ConfigError(f"fsplug.fedmole.aggregate = '{aggregate}' is not one of: "
-                              f"{', '.join(AGGREGATED_KINDS)}")
-        if not 0.0 <= float(self.hparams['routed_fraction']) <= 1.0:
-            raise ConfigError(f"fsplug.fedmole.routed_fraction must be in [0, 1], got "
-                              f"{self.hparams['routed_fraction']}")
-        self.aggregated = AGGREGATED_KINDS[aggregate]
+        self.aggregated = AGGREGATED_KINDS[self.hparams.aggregate]
+
+    @classmethod
+    def config_problems(cls, hparams, cfg):
+        problems = []
+        if hparams.top_k > hparams.num_experts:
+            problems.append(f'fsplug.fedmole.top_k = {hparams.top_k}: must be <= '
+                            f'fsplug.fedmole.num_experts = {hparams.num_experts}')
+        model = cfg['fsplug']['model']
+        if model['adapter'] != 'lora':
+            problems.append(f"fsplug.model.adapter = {model['adapter']!r}: fedmole needs 'lora' "
+                            f"(its LoRA adapter is the shared expert)")
+        lora_targets = {_last_name(t) for t in model['lora']['target_modules']}
+        missing = [t for t in hparams.target_modules if _last_name(t) not in lora_targets]
+        if missing:
+            problems.append(f"fsplug.fedmole.target_modules = {hparams.target_modules}: {missing} "
+                            f"not among fsplug.model.lora.target_modules = "
+                            f"{model['lora']['target_modules']}")
+        return problems
 
     def mole_config(self, cfg) -> MoleConfig:
-        lora = cfg.fsplug.model.lora
-        try:
-            return MoleConfig(target_modules=tuple(self.hparams['target_modules']),
-                              num_experts=int(self.hparams['num_experts']),
-                              top_k=int(self.hparams['top_k']), r=int(lora.r),
-                              alpha=float(lora.alpha), dropout=float(lora.dropout),
-                              use_rslora=bool(lora.use_rslora),
-                              router_init_std=float(self.hparams['router_init_std']))
-        except ValueError as exc:
-            raise ConfigError(f"fsplug.fedmole: {exc}") from exc
+        lora, hp = cfg.fsplug.model.lora, self.hparams
+        return MoleConfig(target_modules=tuple(hp.target_modules), num_experts=hp.num_experts,
+                          top_k=hp.top_k, r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                          use_rslora=lora.use_rslora, router_init_std=hp.router_init_std)
 
     def adapt_model(self, model, cfg):
-        if cfg.fsplug.model.adapter != 'lora':
-            raise ConfigError(f"fsplug.method = fedmole needs fsplug.model.adapter = lora, "
-                              f"got '{cfg.fsplug.model.adapter}'")
         config = self.mole_config(cfg)
         try:
             inject_mole(model, config)
         except ValueError as exc:
-            raise ConfigError(f"fsplug.fedmole.target_modules = {list(config.target_modules)} "
-                              f"must be among fsplug.model.lora.target_modules = "
-                              f"{list(cfg.fsplug.model.lora.target_modules)}: {exc}") from exc
+            raise ConfigError(f"fsplug.fedmole.target_modules = {list(config.target_modules)}: "
+                              f"{exc}") from exc
         for name, param in model.named_parameters():
             if parameter_kind(name) != SHARED:
                 param.requires_grad_(True)
@@ -95,8 +106,8 @@ class FedMoLE(Method):
         return parameter_kind(name) in self.aggregated
 
     def phases(self, num_steps, cfg):
-        if not self.hparams['alternating']:
+        if not self.hparams.alternating:
             return [Phase('joint', num_steps)]
-        first = int(round(float(self.hparams['routed_fraction']) * num_steps))
+        first = int(round(self.hparams.routed_fraction * num_steps))
         return [Phase('routed', first, lambda n: parameter_kind(n) != SHARED),
                 Phase('shared', num_steps - first, lambda n: parameter_kind(n) == SHARED)]

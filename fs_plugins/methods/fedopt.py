@@ -4,17 +4,27 @@ optimiser step to the global LoRA parameters (maths: aggregation/server_opt.py).
 
 FederatedScope's FedOpt (`fedopt.use`) wraps a torch optimiser around the server model; the
 plugin's server holds no model and the embedded runner no FS, so the step is written here."""
+from dataclasses import dataclass
+
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.server_opt import adaptive_server_step
 from fs_plugins.methods.base import Method
 from fs_plugins.methods.registry import register_method
+from fs_plugins.schema import option
 
-SERVER_OPT_DEFAULTS = {'server_lr': 0.01, 'beta1': 0.9, 'beta2': 0.99, 'tau': 0.001}
+
+@dataclass
+class ServerOptConfig:
+    """Server optimiser of Reddi et al. (2021), Algorithm 2."""
+    server_lr: float = option(0.01, 'server learning rate η', gt=0)
+    beta1: float = option(0.9, 'first-moment decay β1', ge=0, lt=1)
+    beta2: float = option(0.99, 'second-moment decay β2 (FedAdam, FedYogi)', ge=0, lt=1)
+    tau: float = option(0.001, 'adaptivity τ added to √v', gt=0)
 
 
 class _FedOpt(Method):
     variant = ''
-    defaults = SERVER_OPT_DEFAULTS
+    config_class = ServerOptConfig
 
     def init_server_state(self, initial_shared):
         return {'global': dict(initial_shared), 'moments': {}}
@@ -24,7 +34,7 @@ class _FedOpt(Method):
         hp = self.hparams
         new_global, moments = adaptive_server_step(
             server_state['global'], average, server_state['moments'], self.variant,
-            float(hp['server_lr']), float(hp['beta1']), float(hp['beta2']), float(hp['tau']))
+            hp.server_lr, hp.beta1, hp.beta2, hp.tau)
         return {'global': new_global, 'moments': moments}
 
 

@@ -3,16 +3,22 @@ mu/2 · ||w − w_global||² over the parameters received from the server this r
 
 FederatedScope has its own FedProx trainer wrapper (`fedprox.use`); it applies to FS's
 trainers, not to the embedded runner, so the proximal term lives here for both runners."""
-import torch
+from dataclasses import dataclass
 
 from fs_plugins.methods.base import Method, load_tensors
 from fs_plugins.methods.registry import register_method
+from fs_plugins.schema import option
+
+
+@dataclass
+class FedProxConfig:
+    mu: float = option(0.01, 'proximal weight μ of mu/2 · ‖w − w_global‖²', ge=0)
 
 
 @register_method
 class FedProx(Method):
     name = 'fedprox'
-    defaults = {'mu': 0.01}
+    config_class = FedProxConfig
 
     def receive(self, model, content, state):
         load_tensors(model, content)
@@ -25,4 +31,4 @@ class FedProx(Method):
             return loss
         params = dict(model.named_parameters())
         prox = sum(((params[n] - a.to(params[n].device)) ** 2).sum() for n, a in anchor.items())
-        return loss + 0.5 * float(self.hparams['mu']) * prox
+        return loss + 0.5 * self.hparams.mu * prox

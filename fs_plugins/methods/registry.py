@@ -1,21 +1,39 @@
-"""Name -> Method class. Methods register themselves with `@register_method`."""
+"""Name -> Method class. Every module in this package (and every module named in
+`fsplug.import_modules`) registers its methods with `@register_method`; nothing lists them."""
 from __future__ import annotations
 
-from fs_plugins.config import ConfigError
+import dataclasses
+import importlib
+import pkgutil
+
+from fs_plugins.errors import ConfigError
+from fs_plugins.schema.options import undocumented_fields
 
 _METHODS: dict = {}
+_DISCOVERED = False
 
 
 def register_method(cls):
-    """Class decorator: makes `fsplug.method: <cls.name>` select `cls`."""
+    """Class decorator: makes `fsplug.method: <cls.name>` select `cls`, with the node
+    `fsplug.<cls.name>` generated from `cls.config_class`."""
     if not getattr(cls, 'name', None):
         raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
+    if not dataclasses.is_dataclass(cls.config_class):
+        raise TypeError(f"{cls.__name__}.config_class must be a dataclass of "
+                        f"fs_plugins.schema.option fields")
+    undocumented = undocumented_fields(cls.config_class, f'fsplug.{cls.name}')
+    if undocumented:
+        raise TypeError(f"{cls.__name__}.config_class: give these keys a help text with "
+                        f"option(...): {', '.join(undocumented)}")
+    known = _METHODS.get(cls.name)
+    if known is not None and known.__qualname__ != cls.__qualname__:
+        raise ValueError(f"Method name '{cls.name}' is taken by {known.__module__}.{known.__qualname__}")
     _METHODS[cls.name] = cls
     return cls
 
 
 def all_methods() -> dict:
-    _load_builtin_methods()
+    _discover_package_methods()
     return dict(_METHODS)
 
 
@@ -27,8 +45,12 @@ def get_method_class(name: str):
     return methods[name]
 
 
-def _load_builtin_methods() -> None:
-    # Imported here, not at module top, so that registry <- method modules has no cycle.
-    from fs_plugins.methods import (fed_a2, fedavg, feddpa, fedex, fedmole, fedopt, fedprox,  # noqa: F401
-                                    fedsa, ffa, flexlora, hetlora, scaffold, standalone)
-    from fs_plugins.methods import flame  # noqa: F401
+def _discover_package_methods() -> None:
+    """Imports every module of fs_plugins.methods once (they register on import)."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True
+    import fs_plugins.methods as package
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f'{package.__name__}.{module.name}')

@@ -11,6 +11,7 @@ the raw gradient all the same (a heuristic, as in most LLM ports)."""
 import torch
 
 from fs_plugins.aggregation import weighted_average
+from fs_plugins.aggregation.scaffold import scaffold_client_control, scaffold_server_control
 from fs_plugins.methods.base import Method, load_tensors
 from fs_plugins.methods.registry import register_method
 
@@ -48,14 +49,14 @@ class Scaffold(Method):
     def client_extra(self, model, state):
         if not state['start'] or not state['steps']:
             return {}
-        lr = float(self.cfg.train.optimizer.lr)
+        lr = self.cfg.train.optimizer.lr
         params = dict(model.named_parameters())
         deltas = {}
         for name, start in state['start'].items():
             c = state['c'].get(name, torch.zeros_like(start))
             c_i = state['c_i'].get(name, torch.zeros_like(start))
             y = params[name].detach().to('cpu', start.dtype)
-            new_c_i = c_i - c + (start - y) / (state['steps'] * lr)
+            new_c_i = scaffold_client_control(c_i, c, start, y, state['steps'], lr)
             deltas[CONTROL + name] = new_c_i - c_i
             state['c_i'][name] = new_c_i
         return deltas
@@ -66,14 +67,11 @@ class Scaffold(Method):
 
     def aggregate(self, server_state, updates):
         merged = weighted_average([u.shared for u in updates], [u.num_samples for u in updates])
-        share = len(updates) / max(int(self.cfg.federate.client_num), 1)
         c = dict(server_state['c'])
-        with_controls = [u for u in updates if u.extra]
         for name in c:
-            deltas = [u.extra[CONTROL + name].float() for u in with_controls
-                      if CONTROL + name in u.extra]
-            if deltas:
-                c[name] = c[name] + share * torch.stack(deltas).mean(0)
+            deltas = [u.extra[CONTROL + name] for u in updates if CONTROL + name in u.extra]
+            c[name] = scaffold_server_control(c[name], deltas, len(updates),
+                                              self.cfg.federate.client_num)
         return {'global': {**server_state['global'], **merged}, 'c': c}
 
     def content_for(self, server_state, client_id):

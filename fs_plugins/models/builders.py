@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from fs_plugins.config import ConfigError, model_path
+from fs_plugins.config import model_path
+from fs_plugins.errors import ConfigError
 from fs_plugins.models.codecs import Codec, TextCodec
 from fs_plugins.seeding import derive_seed
 
@@ -71,7 +72,7 @@ def from_pretrained(loader, path: str, cfg, **kwargs):
     """`loader.from_pretrained` for a local directory or a hub id, errors naming model.type."""
     try:
         return loader.from_pretrained(check_local_dir(path),
-                                      local_files_only=bool(cfg.fsplug.model.local_files_only),
+                                      local_files_only=cfg.fsplug.model.local_files_only,
                                       **kwargs)
     except OSError as exc:
         raise FileNotFoundError(f"Cannot load model '{path}' (model.type) as a local directory "
@@ -81,7 +82,7 @@ def from_pretrained(loader, path: str, cfg, **kwargs):
 def text_codec(cfg, tokenizer) -> TextCodec:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return TextCodec(tokenizer, cfg.fsplug.data.prompt, int(cfg.llm.tok_len))
+    return TextCodec(tokenizer, cfg.fsplug.data.prompt, cfg.llm.tok_len)
 
 
 @register_builder('causal_lm')
@@ -125,20 +126,32 @@ def load_olmoe(cfg, path: str) -> LoadedBase:
     return base
 
 
+def lora_adapter(model_cfg, seed: int):
+    """peft LoRA (optionally rsLoRA) from fsplug.model.lora."""
+    from peft import LoraConfig, TaskType
+    lora = model_cfg.lora
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=lora.r, lora_alpha=lora.alpha,
+                      lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+                      target_parameters=list(lora.target_parameters) or None,
+                      use_rslora=lora.use_rslora)
+
+
+def vera_adapter(model_cfg, seed: int):
+    """peft VeRA (shared frozen random projections, trained scaling vectors) on the LoRA targets."""
+    from peft import TaskType, VeraConfig
+    return VeraConfig(task_type=TaskType.CAUSAL_LM, r=model_cfg.vera.r,
+                      target_modules=list(model_cfg.lora.target_modules),
+                      vera_dropout=model_cfg.lora.dropout, d_initial=model_cfg.vera.d_initial,
+                      projection_prng_key=seed)
+
+
+# fsplug.model.adapter -> peft config factory
+ADAPTERS: dict[str, Callable] = {'lora': lora_adapter, 'vera': vera_adapter}
+
+
 def adapter_config(model_cfg, seed: int):
-    """peft config for fsplug.model.adapter: LoRA (optionally rsLoRA) or VeRA."""
-    from peft import LoraConfig, TaskType, VeraConfig
-    lora_cfg = model_cfg.lora
-    if model_cfg.adapter == 'vera':
-        return VeraConfig(task_type=TaskType.CAUSAL_LM, r=int(model_cfg.vera.r),
-                          target_modules=list(lora_cfg.target_modules),
-                          vera_dropout=float(lora_cfg.dropout),
-                          d_initial=float(model_cfg.vera.d_initial), projection_prng_key=seed)
-    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=int(lora_cfg.r),
-                      lora_alpha=float(lora_cfg.alpha), lora_dropout=float(lora_cfg.dropout),
-                      target_modules=list(lora_cfg.target_modules),
-                      target_parameters=list(lora_cfg.get('target_parameters') or []) or None,
-                      use_rslora=bool(lora_cfg.use_rslora))
+    """peft config for fsplug.model.adapter."""
+    return ADAPTERS[model_cfg.adapter](model_cfg, seed)
 
 
 def scoped_targets(targets, scope: str | None):
@@ -159,8 +172,7 @@ def inject_adapter(model: torch.nn.Module, model_cfg, seed: int,
             return get_peft_model(model, config)
         except ValueError as exc:
             raise ConfigError(f"fsplug.model.lora.target_modules = {list(model_cfg.lora.target_modules)}"
-                              f" / target_parameters = "
-                              f"{list(model_cfg.lora.get('target_parameters') or [])}"
+                              f" / target_parameters = {list(model_cfg.lora.target_parameters)}"
                               f" does not match the model: {exc}") from exc
 
 
@@ -204,9 +216,7 @@ def build_model(cfg, method) -> BuiltModel:
     Adapter initialisation depends only on cfg.seed, so every runner and process builds the
     same initial adapters for the same architecture."""
     builder_name = cfg.fsplug.model.builder
-    if builder_name not in available():
-        raise ConfigError(f"fsplug.model.builder = '{builder_name}' is not one of: "
-                          f"{', '.join(available())}")
+    _load_builder_modules()
     path = model_path(cfg)
     base = _BUILDERS[builder_name](cfg, path)
     for param in base.model.parameters():

@@ -34,7 +34,7 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
     records = build_federated_records(cfg)
     cfg.federate.client_num = records.client_num
     resolve_derived(cfg)
-    overrides = client_overrides(client_cfgs, records.client_num)
+    overrides = client_overrides(client_cfgs, cfg)
     method_cls = get_method_class(cfg.fsplug.method)
     method = method_cls(cfg)
     results = ResultsLog(results_dir(cfg), run_info(cfg, 'embedded', records.client_names))
@@ -44,7 +44,7 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
         clients = build_clients(cfg, method_cls, records, overrides, device_for(cfg))
         for cid, client in clients.items():
             client.predictions_path = predictions_path(results.out_dir, cid)
-        total = int(cfg.federate.total_round_num)
+        total = cfg.federate.total_round_num
         progress = tqdm(range(total), desc=f'{cfg.fsplug.method} rounds', unit='round')
         for round_idx in progress:
             logger.info(f'Starting round #{round_idx}')

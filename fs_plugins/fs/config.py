@@ -1,0 +1,134 @@
+"""The plugin's config under FederatedScope: the `fsplug` node generated from the schema, and
+the schema's checks run whenever FS merges a YAML, a command line or a client config.
+
+FS's yacs merge coerces values to the defaults' types before any check function sees them
+('8.5' -> 8 for an int key) and fails with tracebacks on the rest. So the merges of the root
+config are wrapped: the raw layer is merged into a plain copy and validated with
+`fs_plugins.schema.validate` (unknown keys checked against FS's own key tree), and every
+problem is raised at once as a ConfigError before FS merges. FS-only constants live here.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Mapping
+
+from fs_plugins.config import import_extra_modules, merge, parse_opts
+from fs_plugins.errors import ConfigError
+from fs_plugins.metrics import REPORTED_METRICS
+from fs_plugins.schema.options import to_plain
+from fs_plugins.schema.validate import OPEN_NODE, fsplug_defaults, validate
+
+# FS features that act on FS's default message contents, which the fsplug workers replace
+UNSUPPORTED_FS_FEATURES = (('federate.use_ss', lambda c: c.federate.use_ss),
+                           ('quantization.method', lambda c: c.quantization.method != 'none'),
+                           ('asyn.use', lambda c: c.asyn.use))
+
+
+def key_tree(node) -> dict:
+    """FS's key tree of a CfgNode: nested dicts; nodes that accept new keys are marked open."""
+    tree = {k: key_tree(v) if isinstance(v, Mapping) else None for k, v in node.items()}
+    if getattr(node, 'is_new_allowed', lambda: False)():
+        tree[OPEN_NODE] = True
+    return tree
+
+
+def fs_known_keys(cfg) -> dict:
+    """FS's key tree without the plugin's node (the schema checks that one)."""
+    tree = key_tree(cfg)
+    tree.pop('fsplug', None)
+    return tree
+
+
+def _to_cfg_node(cls, values: dict):
+    node = cls(new_allowed=True)
+    for key, value in values.items():
+        node[key] = _to_cfg_node(cls, value) if isinstance(value, dict) else value
+    return node
+
+
+def fill_missing(node, defaults: dict) -> None:
+    """Adds defaults absent from `node` (sub-nodes of methods registered by import_modules
+    after FS built its config)."""
+    from federatedscope.core.configs.config import CN
+    for key, value in defaults.items():
+        if key not in node:
+            node[key] = _to_cfg_node(CN, value) if isinstance(value, dict) else value
+        elif isinstance(value, dict) and isinstance(node[key], dict):
+            fill_missing(node[key], value)
+
+
+def extend_cfg(cfg) -> None:
+    from federatedscope.core.configs.config import CN
+    cfg.fsplug = _to_cfg_node(CN, fsplug_defaults())
+    cfg.register_cfg_check_fun(check_fs_cfg)
+
+
+def raise_problems(plain: dict, fs_known: dict) -> None:
+    layer_modules = plain.get('fsplug', {}).get('import_modules', [])
+    import_extra_modules(layer_modules)
+    _, problems = validate(plain, fs_known)
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_fs_cfg(cfg) -> None:
+    """FS config check function: the schema's checks on the merged config, then what only FS
+    has (features the plugin's workers do not carry, FS's monitor's metric list)."""
+    if not cfg.fsplug.method:
+        return
+    raise_problems(to_plain(cfg), fs_known_keys(cfg))
+    fill_missing(cfg.fsplug, fsplug_defaults())
+    active = [key for key, is_on in UNSUPPORTED_FS_FEATURES if is_on(cfg)]
+    if active:
+        raise ConfigError([f'{key} is not supported with fsplug methods; turn it off' for key in active])
+    # FS's monitor only accepts metrics listed in eval.metrics
+    for name in list(REPORTED_METRICS) + list(cfg.fsplug.eval.gen_metrics):
+        if name not in cfg.eval.metrics:
+            cfg.eval.metrics.append(name)
+
+
+def _is_plugin_root(node) -> bool:
+    return isinstance(node, Mapping) and 'fsplug' in node and 'federate' in node
+
+
+def _checked(merge_method, layer_of):
+    @functools.wraps(merge_method)
+    def merged_after_check(self, source, *args, **kwargs):
+        if _is_plugin_root(self):
+            layer = layer_of(self, source)
+            raise_problems(merge(to_plain(self), layer), fs_known_keys(self))
+        return merge_method(self, source, *args, **kwargs)
+    return merged_after_check
+
+
+def _list_layer(node, opts) -> dict:
+    return parse_opts(list(opts))
+
+
+def _other_layer(node, other) -> dict:
+    return to_plain(other)
+
+
+def install_checked_merges(cn_class) -> None:
+    """Wraps FS's CN.merge_from_other_cfg (YAML files and client configs go through it) and
+    CN.merge_from_list (the command line)."""
+    if getattr(cn_class, '_fsplug_checked', False):
+        return
+    cn_class.merge_from_other_cfg = _checked(cn_class.merge_from_other_cfg, _other_layer)
+    cn_class.merge_from_list = _checked(cn_class.merge_from_list, _list_layer)
+    cn_class._fsplug_checked = True
+
+
+def install_error_report() -> None:
+    """An uncaught ConfigError (e.g. from `python federatedscope/main.py`) prints its lines
+    without a traceback; everything else is reported as before."""
+    previous = sys.excepthook
+
+    def report(kind, value, traceback):
+        if isinstance(value, ConfigError):
+            print('fs-plugins: config error:\n' + '\n'.join(f'  {p}' for p in value.problems),
+                  file=sys.stderr)
+            return
+        previous(kind, value, traceback)
+    sys.excepthook = report

@@ -1,0 +1,115 @@
+"""The FederatedScope keys the plugin reads, with FS's defaults and the ranges the plugin needs.
+
+The embedded runner accepts exactly these FS keys (any other is an error: it would be ignored
+there); under FederatedScope, FS knows its own keys and these are checked for type and range."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fs_plugins.schema.options import option, section
+
+
+def _splitters():
+    from fs_plugins.data.splitters import available
+    return available()
+
+
+def _eval_metrics():
+    from fs_plugins.metrics import evaluation_metric_names
+    return evaluation_metric_names()
+
+
+@dataclass
+class FederateKeys:
+    mode: str = option('standalone', 'standalone, or distributed (FS only)',
+                       choices=('standalone', 'distributed'))
+    method: str = option('FedAvg', "must be 'fsplug' when fsplug.method is set")
+    client_num: int = option(0, 'number of clients (by_source: the number of sources)', ge=1)
+    sample_client_num: int = option(-1, 'clients per round (-1: from sample_client_rate, else all)',
+                                    ge=1, special=(-1,))
+    sample_client_rate: float = option(-1.0, 'fraction of clients per round (-1: unset)',
+                                       gt=0, le=1, special=(-1, -1.0))
+    total_round_num: int = option(50, 'communication rounds', ge=1)
+    share_local_model: bool = option(False, 'must be False: every client keeps its own model')
+
+
+@dataclass
+class DataKeys:
+    root: str = option('data', 'folder of data files and of the builtin datasets it writes')
+    type: str = option('', "'<file.json|file.jsonl|builtin name>@fsplug'")
+    splitter: str = option('', 'how records become clients', choices=_splitters)
+
+
+@dataclass
+class ModelKeys:
+    type: str = option('', "'<local dir or hub id>@fsplug_llm'")
+
+
+@dataclass
+class TrainerKeys:
+    type: str = option('general', "must be 'fsplug' when fsplug.method is set")
+
+
+@dataclass
+class DataloaderKeys:
+    batch_size: int = option(64, 'training batch size', ge=1)
+
+
+@dataclass
+class OptimizerKeys:
+    open_keys: ClassVar[bool] = True   # any other key is a keyword argument of the optimiser
+    type: str = option('SGD', 'a torch.optim optimiser class name')
+    lr: float = option(0.1, 'learning rate', gt=0)
+
+
+@dataclass
+class SchedulerKeys:
+    open_keys: ClassVar[bool] = True   # any other key is a keyword argument of the scheduler
+    type: str = option('', "a torch.optim.lr_scheduler class name ('' = none)")
+    warmup_ratio: float = option(0.0, 'FS key; not used by fsplug clients', ge=0, le=1)
+
+
+@dataclass
+class TrainKeys:
+    local_update_steps: int = option(1, 'local steps (or epochs) per round', ge=1)
+    batch_or_epoch: str = option('batch', 'unit of local_update_steps', choices=('batch', 'epoch'))
+    optimizer: OptimizerKeys = section(OptimizerKeys, 'local optimiser')
+    scheduler: SchedulerKeys = section(SchedulerKeys, 'local learning-rate schedule')
+
+
+@dataclass
+class GradKeys:
+    grad_clip: float = option(-1.0, 'gradient norm clip (-1: off)', gt=0, special=(-1, -1.0))
+
+
+@dataclass
+class EvalKeys:
+    freq: int = option(1, 'evaluate every freq rounds (and after the last)', ge=1)
+    count_flops: bool = option(False, 'FS key; not used by fsplug clients')
+    best_res_update_round_wise_key: str = option('test_avg_loss', "FS's best-result metric",
+                                                 choices=_eval_metrics)
+
+
+@dataclass
+class LlmKeys:
+    tok_len: int = option(128, 'maximum tokens per example', ge=1)
+
+
+@dataclass
+class FSKeys:
+    seed: int = option(0, 'run seed: the same YAML and seed give the same numbers')
+    expname: str = option('', 'experiment name (results folder)')
+    outdir: str = option('exp', 'output folder')
+    use_gpu: bool = option(False, 'train on cuda:<device> when available')
+    device: int = option(-1, 'GPU index (-1: the first)', ge=-1)
+    backend: str = option('torch', 'FS backend', choices=('torch',))
+    federate: FederateKeys = section(FederateKeys, 'the federation')
+    data: DataKeys = section(DataKeys, 'the data file and its split')
+    model: ModelKeys = section(ModelKeys, 'the model location')
+    trainer: TrainerKeys = section(TrainerKeys, 'the trainer')
+    dataloader: DataloaderKeys = section(DataloaderKeys, 'batching')
+    train: TrainKeys = section(TrainKeys, 'local training')
+    grad: GradKeys = section(GradKeys, 'gradient processing')
+    eval: EvalKeys = section(EvalKeys, 'evaluation schedule')
+    llm: LlmKeys = section(LlmKeys, 'FS-LLM settings')

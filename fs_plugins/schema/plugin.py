@@ -1,0 +1,119 @@
+"""The plugin's general config nodes (`fsplug.*` apart from the per-method nodes), as typed
+sections. Allowed values that a registry owns (builders, splitters, metrics, methods) are read
+from that registry when a config is checked."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fs_plugins.schema.options import option, section
+
+# YAML format shared by both runners
+PLUGIN_NAME = 'fsplug'                  # trainer.type and federate.method
+MODEL_TYPE_SUFFIX = 'fsplug_llm'        # model.type: '<local dir or hub id>@fsplug_llm'
+DATA_TYPE_SUFFIX = 'fsplug'             # data.type: '<file.json|file.jsonl|builtin>@fsplug'
+
+
+def _builders():
+    from fs_plugins.models.builders import available
+    return available()
+
+
+def _dtypes():
+    from fs_plugins.models.builders import DTYPES
+    return list(DTYPES)
+
+
+def _adapters():
+    from fs_plugins.models.builders import ADAPTERS
+    return list(ADAPTERS)
+
+
+def _prompts():
+    from fs_plugins.data.instruction import PROMPT_TEMPLATES
+    return list(PROMPT_TEMPLATES)
+
+
+def _gen_metrics():
+    from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
+    return sorted(GENERATION_METRICS)
+
+
+def _methods():
+    from fs_plugins.methods.registry import all_methods
+    return [''] + sorted(all_methods())
+
+
+@dataclass
+class LoraOptions:
+    r: int = option(8, 'LoRA rank r', ge=1)
+    alpha: float = option(16.0, 'LoRA alpha: scaling s = alpha / r (alpha / sqrt(r) with use_rslora)', gt=0)
+    dropout: float = option(0.0, 'dropout on the LoRA input', ge=0, lt=1)
+    target_modules: list[str] = option(['q_proj', 'v_proj'], 'module names (peft matching) that get LoRA')
+    target_parameters: list[str] = option(
+        [], 'parameters (not modules) wrapped through peft target_parameters, e.g. the fused MoE '
+            'experts [mlp.experts.gate_up_proj, mlp.experts.down_proj]: one rank-r adapter per expert')
+    use_rslora: bool = option(False, 'rsLoRA scaling alpha / sqrt(r)')
+
+
+@dataclass
+class VeraOptions:
+    r: int = option(256, 'VeRA rank of the shared frozen random projections', ge=1)
+    d_initial: float = option(0.1, 'initial value of the trained scaling vector d', gt=0)
+
+
+@dataclass
+class VisionOptions:
+    train_projector: bool = option(True, 'vision-language builders: the projector trains and is shared')
+    train_tower: bool = option(False, 'vision-language builders: the vision tower trains too')
+
+
+@dataclass
+class ModelOptions:
+    builder: str = option('causal_lm', 'how model.type is loaded (a registered model builder)',
+                          choices=_builders)
+    dtype: str = option('float32', 'dtype of the frozen base weights; adapters stay float32',
+                        choices=_dtypes)
+    local_files_only: bool = option(False, 'never contact a model hub')
+    adapter: str = option('lora', "'lora' (with use_rslora for rsLoRA) or 'vera', on lora.target_modules",
+                          choices=_adapters)
+    vera: VeraOptions = section(VeraOptions, 'VeRA settings (adapter: vera)')
+    vision: VisionOptions = section(VisionOptions, 'what trains besides LoRA in vision-language models')
+    lora: LoraOptions = section(LoraOptions, 'LoRA settings')
+
+
+@dataclass
+class DataOptions:
+    split_field: str = option('category', 'record field used by the dirichlet (labels) and '
+                                          'by_source (one client per value) splitters')
+    dirichlet_alpha: float = option(0.5, 'concentration of the dirichlet label split', gt=0)
+    min_client_size: int = option(2, 'dirichlet re-draws until every client has this many records', ge=1)
+    test_fraction: float = option(0.2, "fraction of each client's records held out as its test split",
+                                  ge=0, lt=1)
+    max_records: int = option(0, 'cap on records read from the file, before the split (0 = all)', ge=0)
+    prompt: str = option('alpaca', 'prompt template of instruction records (multimodal records use '
+                                   "their model's own format)", choices=_prompts)
+    split_from_records: bool = option(False, "train / test from the records' own 'split' field "
+                                             '(test_fraction unused)')
+
+
+@dataclass
+class EvalOptions:
+    batch_size: int = option(0, 'per-client evaluation batch size (0 = dataloader.batch_size)', ge=0)
+    generate: bool = option(False, 'greedy batched generation besides answer-token loss / accuracy')
+    max_new_tokens: int = option(16, 'generation length limit', ge=1)
+    gen_metrics: list[str] = option([], 'metrics over generated answers, reported as test_<name>',
+                                    choices=_gen_metrics)
+    max_gen_samples: int = option(0, 'cap on test records generated per client (0 = all)', ge=0)
+
+
+@dataclass
+class PluginOptions:
+    """`fsplug.*` without the per-method nodes (those come from the method registry)."""
+    method: str = option('', "the method that runs ('' leaves FederatedScope untouched)",
+                         choices=_methods)
+    import_modules: list[str] = option([], 'Python modules imported before the config is checked '
+                                           '(they may register methods, builders, splitters)')
+    results_dir: str = option('', "where results.jsonl / results.csv / summary.md go ('' = FS's outdir)")
+    model: ModelOptions = section(ModelOptions, 'model, tokenizer and adapter')
+    data: DataOptions = section(DataOptions, 'client splits of the records')
+    eval: EvalOptions = section(EvalOptions, 'per-client evaluation')

@@ -1,0 +1,146 @@
+"""Strict validation of a whole config, in one place, before anything is built.
+
+`validate` takes a merged config as plain nested dicts and returns every problem at once (each
+a line naming the key, the value and what is allowed) together with the normalised values.
+The embedded runner calls it on each merged layer; under FederatedScope the binding calls it
+when FS merges a YAML, a command line or a client config, and again in FS's config check."""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Mapping
+
+from fs_plugins.schema.fs_keys import FSKeys
+from fs_plugins.schema.options import (FS_AUX_KEYS, check_section, defaults_of,
+                                       unknown_key_message)
+from fs_plugins.schema.plugin import (DATA_TYPE_SUFFIX, MODEL_TYPE_SUFFIX, PLUGIN_NAME,
+                                      PluginOptions)
+
+# marks a node of FS's key tree that accepts any key (a CfgNode with new_allowed)
+OPEN_NODE = '__open__'
+
+
+def method_classes() -> dict:
+    from fs_plugins.methods.registry import all_methods
+    return all_methods()
+
+
+def fsplug_defaults() -> dict:
+    """The whole `fsplug` node: general keys plus one sub-node per registered method."""
+    node = defaults_of(PluginOptions)
+    for name, cls in method_classes().items():
+        node[name] = defaults_of(cls.config_class)
+    return node
+
+
+def fs_defaults() -> dict:
+    """FS's defaults for the FS keys the plugin reads (the embedded runner's FS part)."""
+    return defaults_of(FSKeys)
+
+
+def unknown_keys(values: Mapping, known: Mapping, path: str = '') -> list[str]:
+    """Keys of `values` absent from the key tree `known` (closest spelling suggested)."""
+    if known.get(OPEN_NODE):
+        return []
+    problems = []
+    for key, value in values.items():
+        if key in FS_AUX_KEYS or key == OPEN_NODE:
+            continue
+        full = f'{path}.{key}' if path else key
+        if key not in known:
+            problems.append(unknown_key_message(path, key, [k for k in known if k != OPEN_NODE]))
+        elif isinstance(value, Mapping) and isinstance(known[key], Mapping):
+            problems += unknown_keys(value, known[key], full)
+    return problems
+
+
+def check_plugin_node(plug: Mapping) -> tuple[dict, list[str]]:
+    """The `fsplug` node: general keys, then each method's node against its config class."""
+    methods = method_classes()
+    declared = {f.name for f in fields(PluginOptions)}
+    general = {k: v for k, v in plug.items() if k in declared}
+    normalised, problems = check_section(PluginOptions, general, 'fsplug')
+    for key in plug:
+        if key not in declared and key not in methods and key not in FS_AUX_KEYS:
+            problems.append(unknown_key_message('fsplug', key, declared | set(methods)))
+    for name, cls in methods.items():
+        normalised[name], found = check_section(cls.config_class, plug.get(name, {}),
+                                                f'fsplug.{name}')
+        problems += found
+    return normalised, problems
+
+
+def validate(cfg: Mapping, fs_known: Mapping | None = None) -> tuple[dict, list[str]]:
+    """(normalised config, problems) of a merged config given as plain nested dicts.
+
+    fs_known: FS's own key tree under FederatedScope (FS keys are then checked against it and
+    only the FS keys the plugin reads are type-checked); None in the embedded runner, which
+    accepts only the FS keys it reads (`FSKeys`)."""
+    plug = cfg.get('fsplug', {})
+    if fs_known is not None and not plug.get('method'):
+        return dict(cfg), []     # the plugin is off: FederatedScope checks its own keys
+    fs_part = {k: v for k, v in cfg.items() if k != 'fsplug'}
+    problems = unknown_keys(fs_part, fs_known) if fs_known is not None else []
+    normalised, found = check_section(FSKeys, fs_part, strict=fs_known is None)
+    problems += found
+    normalised['fsplug'], found = check_plugin_node(plug)
+    problems += found
+    return normalised, problems + rule_problems(normalised)
+
+
+def rule_problems(cfg: Mapping) -> list[str]:
+    """Rules between keys. A rule whose keys already failed their own check (wrong type) is
+    skipped: its message would only repeat that problem."""
+    if not cfg['fsplug']['method']:
+        return [f"fsplug.method is not set: name one of {', '.join(sorted(method_classes()))}"]
+    problems = []
+    for rule in RULES:
+        try:
+            problems += rule(cfg)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            continue
+    return problems
+
+
+def _plugin_workers(cfg) -> list[str]:
+    return [f"{key} = {value!r}: must be '{PLUGIN_NAME}' when fsplug.method is set"
+            for key, value in (('trainer.type', cfg['trainer']['type']),
+                               ('federate.method', cfg['federate']['method']))
+            if str(value).lower() != PLUGIN_NAME]
+
+
+def _model_and_data_types(cfg) -> list[str]:
+    problems = []
+    if not str(cfg['model']['type']).endswith('@' + MODEL_TYPE_SUFFIX):
+        problems.append(f"model.type = {cfg['model']['type']!r}: must be "
+                        f"'<local dir or hub id>@{MODEL_TYPE_SUFFIX}'")
+    if not str(cfg['data']['type']).endswith('@' + DATA_TYPE_SUFFIX):
+        problems.append(f"data.type = {cfg['data']['type']!r}: must be "
+                        f"'<file.json|file.jsonl|builtin name>@{DATA_TYPE_SUFFIX}'")
+    return problems
+
+
+def _federation(cfg) -> list[str]:
+    fed, problems = cfg['federate'], []
+    if fed['share_local_model'] is True:
+        problems.append('federate.share_local_model = True: must be False for fsplug methods '
+                        '(each client keeps its own model and client-local state)')
+    if fed['sample_client_num'] > fed['client_num'] >= 1:
+        problems.append(f"federate.sample_client_num = {fed['sample_client_num']}: must be <= "
+                        f"federate.client_num = {fed['client_num']}")
+    return problems
+
+
+def _generation(cfg) -> list[str]:
+    evaluation = cfg['fsplug']['eval']
+    if evaluation['gen_metrics'] and evaluation['generate'] is not True:
+        return [f"fsplug.eval.gen_metrics = {evaluation['gen_metrics']}: needs "
+                f"fsplug.eval.generate: True"]
+    return []
+
+
+def _method_rules(cfg) -> list[str]:
+    method_cls = method_classes()[cfg['fsplug']['method']]
+    return method_cls.config_problems(method_cls.options(cfg), cfg)
+
+
+RULES = (_plugin_workers, _model_and_data_types, _federation, _generation, _method_rules)
