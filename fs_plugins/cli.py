@@ -1,4 +1,5 @@
 """`fs-plugins run --cfg X.yaml [--client_cfg C.yaml] [--runner auto|fs|embedded] [key value ...]`
+`fs-plugins methods [--import MODULE ...]` lists the registered methods.
 
 With FederatedScope importable (and --runner auto or fs) the YAML runs through FS's own
 main.py; otherwise through the embedded runner, which says so in its first log line."""
@@ -41,6 +42,14 @@ def run_embedded_cli(cfg_path: str, client_cfg: str | None, opts: list[str], rea
     run_embedded(cfg, read_yaml(client_cfg) if client_cfg else None)
 
 
+def list_methods(modules: list[str]) -> int:
+    from fs_plugins.config import import_extra_modules
+    from fs_plugins.methods.registry import all_methods
+    import_extra_modules(modules)
+    print('\n'.join(sorted(all_methods())))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog='fs-plugins', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument('--client_cfg', default=None, help='per-client overrides (FS format)')
     run.add_argument('--runner', choices=['auto', 'fs', 'embedded'], default='auto')
     run.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
+    listing = sub.add_parser('methods', help='list the registered methods, one per line')
+    listing.add_argument('--import', dest='modules', nargs='*', default=[],
+                         help='modules to import first (as fsplug.import_modules)')
     args = parser.parse_args(argv)
+    if args.command == 'methods':
+        return list_methods(args.modules)
 
     from fs_plugins.config import ConfigError
     try:

@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# Every method on the tiny benchmark with the same seed and budget (10 rounds x 10 steps x
-# batch 8, 4 clients by task), then the comparison tables. Usage: bash scripts/run_tiny_grid.sh [seed]
+# Every registered method on the tiny benchmark with the same seed (each method's
+# yamls/<method>/tiny*.yaml: 4 clients by task, 10 rounds x 10 steps), plus each
+# yamls/<method>/tiny_clients.yaml as a mixed-rank / per-client run (<method>_ranks), then the
+# comparison tables. The method list comes from the registry (`fs-plugins methods`).
+# Usage: bash scripts/run_tiny_grid.sh [seed]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed=${1:-1}
 out=exp/tiny_grid/seed$seed
+mkdir -p "$out"
 runs=()
-for method in standalone fedavg fedprox fedadagrad fedadam fedyogi scaffold fedsa ffa feddpa fedex fed_a2 hetlora flexlora; do
-  fs-plugins run --runner "${RUNNER:-embedded}" --cfg "yamls/$method/tiny.yaml" seed "$seed" \
-    fsplug.results_dir "$out/$method" > "$out.$method.log" 2>&1 || { mkdir -p "$out"; cat "$out.$method.log"; exit 1; }
-  runs+=("$out/$method")
-done
-for variant in sgd rslora vera; do
-  fs-plugins run --runner "${RUNNER:-embedded}" --cfg "yamls/fedavg/tiny_$variant.yaml" seed "$seed" \
-    fsplug.results_dir "$out/fedavg_$variant" > "$out.fedavg_$variant.log" 2>&1
-  runs+=("$out/fedavg_$variant")
-done
-for method in hetlora flexlora; do   # heterogeneous ranks 16/8/4/2
-  fs-plugins run --runner "${RUNNER:-embedded}" --cfg "yamls/$method/tiny.yaml" \
-    --client_cfg "yamls/$method/tiny_clients.yaml" seed "$seed" \
-    fsplug.results_dir "$out/${method}_ranks" > "$out.${method}_ranks.log" 2>&1
-  runs+=("$out/${method}_ranks")
+
+run() {  # run NAME YAML [--client_cfg FILE]
+  local name=$1 yaml=$2; shift 2
+  fs-plugins run --runner "${RUNNER:-embedded}" --cfg "$yaml" "$@" seed "$seed" \
+    fsplug.results_dir "$out/$name" > "$out.$name.log" 2>&1 || { cat "$out.$name.log"; exit 1; }
+  runs+=("$out/$name")
+}
+
+for method in $(fs-plugins methods); do
+  for yaml in yamls/"$method"/tiny*.yaml; do
+    variant=$(basename "$yaml" .yaml)
+    variant=${variant#tiny}
+    [ "$variant" = _clients ] && continue
+    run "$method$variant" "$yaml"
+  done
+  if [ -f "yamls/$method/tiny_clients.yaml" ]; then
+    run "${method}_ranks" "yamls/$method/tiny.yaml" --client_cfg "yamls/$method/tiny_clients.yaml"
+  fi
 done
 python scripts/compare.py "${runs[@]}" --metric test_token_acc
 echo

@@ -52,3 +52,13 @@ def run_embedded_keeping_clients(cfg, client_cfgs=None):
     finally:
         runner_mod.build_clients = original
     return results, captured
+
+
+def tiny_yaml_of(method: str) -> str:
+    """A registered method's tiny YAML: yamls/<name>/tiny.yaml, or tests/yamls/<name>/tiny.yaml
+    for the test-only methods."""
+    for root in (os.path.join(REPO, 'yamls'), os.path.join(REPO, 'tests', 'yamls')):
+        path = os.path.join(root, method, 'tiny.yaml')
+        if os.path.isfile(path):
+            return path
+    raise AssertionError(f"method '{method}' has no tiny YAML: add yamls/{method}/tiny.yaml")

@@ -26,6 +26,9 @@ class ToyPhasedConfig:
 @register_method
 class ToyPhased(Method):
     name = 'toy_phased'
+    summary = ('test-only example: lora_A shared, lora_B kept; two phases; a step counter as '
+               "extra payload; each client receives the average of the others' lora_A")
+    sent = "lora_A + counter / others' average lora_A"
     config_class = ToyPhasedConfig
 
     def is_shared(self, name):

@@ -12,8 +12,8 @@ PROTO_NAME = 'gRPC_comm_manager.proto'
 
 
 def _cache_root() -> str:
-    base = os.environ.get('FSPLUG_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'fs_plugins'))
-    return os.path.join(base, 'proto')
+    from fs_plugins.models.cache import cache_dir  # standard library only, like this module
+    return os.path.join(cache_dir(), 'proto')
 
 
 def regenerated_pb2(package_paths) -> str | None:

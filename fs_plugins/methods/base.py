@@ -52,6 +52,10 @@ class Method:
     """Base class: FedAvg-style behaviour that subclasses override piece by piece."""
 
     name: ClassVar[str] = ''
+    # one line each for the README's method table (scripts/gen_reference.py): what the method
+    # does, and what travels each round ('up / down')
+    summary: ClassVar[str] = ''
+    sent: ClassVar[str] = ''
     # the typed, documented hyper-parameters under `fsplug.<name>` (a dataclass of
     # `fs_plugins.schema.option` fields, defaults from the paper); `self.hparams` is one
     config_class: ClassVar[type] = NoOptions

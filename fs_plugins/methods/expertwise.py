@@ -45,8 +45,12 @@ class ExpertwiseRanks(ExpertRoutingMethod):
 @register_method
 class HetLoRAExperts(ExpertwiseRanks, HetLoRA):
     name = 'hetlora_experts'
+    summary = "HetLoRA applied expert by expert on fused MoE expert LoRA (FLAME's HLoRA baseline)"
+    sent = 'as hetlora, + counts'
 
 
 @register_method
 class FlexLoRAExperts(ExpertwiseRanks, FlexLoRA):
     name = 'flexlora_experts'
+    summary = "FlexLoRA applied expert by expert on fused MoE expert LoRA (FLAME's baseline)"
+    sent = 'as flexlora, + counts'

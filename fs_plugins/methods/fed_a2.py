@@ -22,6 +22,9 @@ class FedA2Config:
 @register_method
 class FedA2LoRA(Method):
     name = 'fed_a2'
+    summary = ('FedA²-LoRA: A = Σp_kA_k, B = argmin‖BA − Σp_kB_kA_k‖² (+λ‖B‖² when AAᵀ is ill '
+               'conditioned), no d_out×d_in matrix formed')
+    sent = 'A, B / A, B'
     config_class = FedA2Config
 
     def aggregate(self, server_state, updates):

@@ -9,3 +9,5 @@ from fs_plugins.methods.registry import register_method
 @register_method
 class FedAvg(Method):
     name = 'fedavg'
+    summary = 'FedAvg over all LoRA factors, weighted by samples trained'
+    sent = 'A, B / A, B'

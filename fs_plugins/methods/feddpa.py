@@ -21,6 +21,9 @@ class FedDPAConfig:
 @register_method
 class FedDPALoRA(Method):
     name = 'feddpa'
+    summary = ('FedDPA-LoRA: a global adapter (averaged) + a local adapter (kept); first the '
+               'global, then the local one trains')
+    sent = 'global A, B / global A, B'
     config_class = FedDPAConfig
 
     def adapt_model(self, model, cfg):

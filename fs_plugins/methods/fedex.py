@@ -18,6 +18,9 @@ RESIDUAL = 'residual/'
 @register_method
 class FedExLoRA(Method):
     name = 'fedex'
+    summary = ('FedEx-LoRA: A, B averaged; the residual Σp_kB_kA_k − B̄Ā folded into the frozen '
+               'base weight on every client')
+    sent = 'A, B / A, B + full-size residual'
     modifies_frozen_weights = True
 
     def init_client_state(self, model, cfg):

@@ -60,6 +60,11 @@ def _last_name(module: str) -> str:
 @register_method
 class FedMoLE(Method):
     name = 'fedmole'
+    summary = ("Fed-MoLE: on fedmole.target_modules a shared LoRA expert (peft's adapter) + N "
+               'routed LoRA experts with a top-K router (sparse dispatch); ADA: routed experts + '
+               'router train first, then the shared expert; only shared experts and plain-LoRA '
+               'layers are averaged, routed experts and routers stay on the client')
+    sent = "shared A, B / shared A, B (bytes = FedAvg-LoRA's)"
     config_class = FedMoLEConfig
 
     def __init__(self, cfg):

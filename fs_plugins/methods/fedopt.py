@@ -41,13 +41,20 @@ class _FedOpt(Method):
 @register_method
 class FedAdagrad(_FedOpt):
     name, variant = 'fedadagrad', 'adagrad'
+    summary = ('server applies an adaptive step (Adagrad) to Δ = average − global (Reddi et al. '
+               '2021)')
+    sent = 'A, B / A, B'
 
 
 @register_method
 class FedAdam(_FedOpt):
     name, variant = 'fedadam', 'adam'
+    summary = 'server applies an adaptive step (Adam) to Δ = average − global (Reddi et al. 2021)'
+    sent = 'A, B / A, B'
 
 
 @register_method
 class FedYogi(_FedOpt):
     name, variant = 'fedyogi', 'yogi'
+    summary = 'server applies an adaptive step (Yogi) to Δ = average − global (Reddi et al. 2021)'
+    sent = 'A, B / A, B'

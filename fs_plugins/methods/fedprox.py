@@ -18,6 +18,8 @@ class FedProxConfig:
 @register_method
 class FedProx(Method):
     name = 'fedprox'
+    summary = 'FedAvg + μ/2‖w − w_global‖² on the shared factors'
+    sent = 'A, B / A, B'
     config_class = FedProxConfig
 
     def receive(self, model, content, state):

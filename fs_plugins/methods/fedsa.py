@@ -8,6 +8,8 @@ from fs_plugins.methods.registry import register_method
 @register_method
 class FedSALoRA(Method):
     name = 'fedsa'
+    summary = 'FedSA-LoRA: A averaged, B stays on the client'
+    sent = 'A / A'
 
     def is_shared(self, name: str) -> bool:
         return is_lora_a(name)

@@ -8,6 +8,8 @@ from fs_plugins.methods.registry import register_method
 @register_method
 class FFALoRA(Method):
     name = 'ffa'
+    summary = 'FFA-LoRA: A frozen at its (common, seeded) init, only B trained and averaged'
+    sent = 'B / B'
 
     def adapt_model(self, model, cfg):
         for name, param in model.named_parameters():

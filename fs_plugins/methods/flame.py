@@ -86,6 +86,11 @@ class FlameConfig:
 @register_method
 class Flame(ExpertRoutingMethod):
     name = 'flame'
+    summary = ('FLAME on sparse-MoE models (OLMoE): LoRA on every expert (peft '
+               'target_parameters), client i routes to k_i experts (training and evaluation), a '
+               'client-local rescaler on the MoE output, activation-aware aggregation γ_i^j = '
+               '(a_i^j/S_i)^t·|D_i| per expert; an expert nobody activated keeps its global value')
+    sent = 'A, B + per-layer activated-step counts / A, B + k_i'
     config_class = FlameConfig
 
     # ------------------------------------------------------------------ client

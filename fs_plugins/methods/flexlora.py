@@ -10,6 +10,9 @@ from fs_plugins.methods.registry import register_method
 @register_method
 class FlexLoRA(Method):
     name = 'flexlora'
+    summary = ('mixed ranks: ΔW = Σp_kB_kA_k, truncated SVD, client k keeps the top r_k '
+               'components (√S split evenly)')
+    sent = 'own-rank A, B / largest-rank A, B'
 
     def aggregate(self, server_state, updates):
         def combine(As, Bs, weights):

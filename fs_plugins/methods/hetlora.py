@@ -20,6 +20,9 @@ class HetLoRAConfig:
 @register_method
 class HetLoRA(Method):
     name = 'hetlora'
+    summary = ('mixed ranks: zero-pad to the largest rank, average (sparsity-weighted ∝ '
+               'n_k‖B_kA_k‖_F), each client keeps its first r_k components')
+    sent = 'own-rank A, B / largest-rank A, B'
     config_class = HetLoRAConfig
 
     def aggregate(self, server_state, updates):

@@ -18,6 +18,9 @@ def register_method(cls):
     `fsplug.<cls.name>` generated from `cls.config_class`."""
     if not getattr(cls, 'name', None):
         raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
+    if not (cls.summary and cls.sent):
+        raise TypeError(f"{cls.__name__} needs the class attributes 'summary' (what it does) and "
+                        f"'sent' (what travels up / down), one line each")
     if not dataclasses.is_dataclass(cls.config_class):
         raise TypeError(f"{cls.__name__}.config_class must be a dataclass of "
                         f"fs_plugins.schema.option fields")

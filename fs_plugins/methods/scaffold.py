@@ -21,6 +21,9 @@ CONTROL = 'control/'
 @register_method
 class Scaffold(Method):
     name = 'scaffold'
+    summary = ('control variates c, c_i; each local gradient corrected by c − c_i (option II; use'
+               ' SGD locally)')
+    sent = 'A, B, Δc_i / A, B, c'
 
     def init_client_state(self, model, cfg):
         return {'c_i': {}, 'c': {}, 'start': {}, 'steps': 0}

@@ -6,6 +6,8 @@ from fs_plugins.methods.registry import register_method
 @register_method
 class Standalone(Method):
     name = 'standalone'
+    summary = 'each client trains on its own data only'
+    sent = 'nothing / nothing'
 
     def is_shared(self, name: str) -> bool:
         return False

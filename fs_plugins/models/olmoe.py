@@ -13,7 +13,8 @@ import tempfile
 
 import torch
 
-from fs_plugins.models.tiny import build_tokenizer, cache_dir
+from fs_plugins.models.cache import cache_dir
+from fs_plugins.models.tiny import build_tokenizer
 
 # fsplug.model.lora.target_parameters for LoRA on every expert of every MoE layer
 EXPERT_LORA_PARAMETERS = ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']

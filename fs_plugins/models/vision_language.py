@@ -6,7 +6,6 @@ trains unless fsplug.model.vision.train_projector is off, the vision tower only 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 

@@ -1,0 +1,45 @@
+"""Every registered method, found through the registry (a new method is covered without
+editing a list): its tiny YAML runs one round in the embedded runner, in float32 and over a
+bfloat16 base with float32 trainable tensors."""
+import math
+
+import pytest
+import torch
+
+import toy_methods  # noqa: F401  (registers the test-only toy_phased)
+from fs_plugins.config import load_config
+from fs_plugins.methods.registry import all_methods
+from helpers import run_embedded_keeping_clients, tiny_yaml_of
+
+METHODS = sorted(all_methods())
+
+
+def test_the_registry_finds_the_package_methods():
+    import pkgutil
+    import fs_plugins.methods as package
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__)}
+    found = {cls.__module__.rsplit('.', 1)[-1] for cls in all_methods().values()}
+    assert found - {'toy_methods'} <= modules
+    assert {'fedavg', 'standalone', 'fedmole', 'flame', 'toy_phased'} <= set(METHODS)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('method', METHODS)
+def test_tiny_yaml_runs_one_round(tmp_path, method, dtype):
+    cfg = load_config(tiny_yaml_of(method), [
+        'federate.total_round_num', '1', 'train.local_update_steps', '2',
+        'data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp'),
+        'fsplug.results_dir', str(tmp_path / 'results'), 'fsplug.model.dtype', dtype])
+    assert cfg.fsplug.method == method
+    results, clients = run_embedded_keeping_clients(cfg)
+    train = [r for r in results.rows if r['kind'] == 'train']
+    evals = [r for r in results.rows if r['kind'] == 'eval']
+    assert len(train) == cfg.federate.sample_client_num and len(evals) == cfg.federate.client_num
+    assert all(r['train_steps'] == 2 and math.isfinite(r['train_avg_loss']) for r in train)
+    assert all(math.isfinite(r['test_avg_loss']) for r in evals)
+    for proc in clients.values():
+        trainable = {n: proc.params[n].dtype for n in proc.trainable_names}
+        assert set(trainable.values()) == {torch.float32}, trainable
+        base = {p.dtype for n, p in proc.model.named_parameters()
+                if n not in trainable and 'lora_' not in n}   # FFA's frozen lora_A is an adapter
+        assert base == {getattr(torch, dtype)}
