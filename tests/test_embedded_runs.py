@@ -55,8 +55,31 @@ def test_fedavg_communicates_lora_and_syncs_clients(tmp_path):
 
 
 def test_standalone_sends_nothing_and_clients_diverge(tmp_path):
-    results = _run(tmp_path, 'standalone')
+    from helpers import run_embedded_keeping_clients
+    # the same run as _run(tmp_path, 'standalone'), keeping the clients to inspect them
+    cfg = load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, 'standalone')))
+    results, clients = run_embedded_keeping_clients(cfg)
     assert all(r['bytes_up'] == 0 and r['bytes_down'] == 0 for r in _rows(results, 'train'))
+    assert len(_rows(results, 'train')) == 2 * 4
+    # and on the parameters: every client trained its own LoRA B away from peft's zero init,
+    # and no two clients ended with the same one
+    assert sorted(clients) == [1, 2, 3, 4]
+    b_keys = [n for n in clients[1].trainable_names if 'lora_B' in n]
+    assert b_keys
+    # the initial adapters (they depend only on the seed): peft starts every lora_B at zero
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.models.builders import build_model
+    initial = dict(build_model(cfg, get_method_class('standalone')(cfg)).model.named_parameters())
+    for key in b_keys:
+        assert torch.count_nonzero(initial[key]) == 0, key
+        for cid, proc in clients.items():
+            assert torch.count_nonzero(proc.params[key]) > 0, (cid, key)   # moved from zeros
+            assert not torch.allclose(proc.params[key], initial[key]), (cid, key)
+        assert not torch.equal(clients[1].params[key], clients[2].params[key]), key
+        for i in clients:
+            for j in clients:
+                if i < j:
+                    assert not torch.allclose(clients[i].params[key], clients[j].params[key]), (i, j, key)
 
 
 def test_same_seed_same_numbers_other_seed_differs(tmp_path):

@@ -178,6 +178,22 @@ def test_unknown_plugin_key_fails_at_load(tmp_path):
     assert 'alpha, dropout, r, target_modules' in proc.stderr
 
 
+def test_fs_reports_every_problem_before_coercing_without_traceback(tmp_path):
+    """The schema's checks run inside FS too: unknown FS keys get the closest spelling, a float
+    for an int key is refused before yacs would coerce it, client entries are checked, and the
+    problems are listed together without a traceback."""
+    cfg_path = write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, 'fedavg', rounds=1, steps=1))
+    proc = run_fs(['--cfg', cfg_path, 'federate.total_round_nm', '3', 'fsplug.model.lora.r', '8.5',
+                   'train.optimizer.lr', '-1'])
+    assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+    for expected in ("Unknown config key 'federate.total_round_nm'. Did you mean 'federate.total_round_num'?",
+                     'fsplug.model.lora.r = 8.5: expected int', 'train.optimizer.lr = -1: must be > 0'):
+        assert expected in proc.stderr
+    client_cfg = write_yaml(tmp_path / 'clients.yaml', {'client_2': {'fsplug': {'model': {'lora': {'r': 0}}}}})
+    proc = run_fs(['--cfg', cfg_path, '--client_cfg', client_cfg])
+    assert proc.returncode != 0 and '--client_cfg client_2: fsplug.model.lora.r = 0: must be >= 1' in proc.stderr
+
+
 def test_fs_checkpoint_holds_the_global_shared_state(tmp_path):
     import torch
     cfg = tiny_config(tmp_path, 'fedavg', rounds=2, steps=1,

@@ -1,10 +1,14 @@
 """The aggregation-family methods: what each uploads and downloads, and its defining
 behaviour, end to end on the tiny model through the embedded runner."""
+import math
+
 import pytest
 import torch
 
 from fs_plugins.aggregation.server_opt import adaptive_server_step
 from fs_plugins.config import load_config
+from fs_plugins.methods.base import ClientUpdate
+from fs_plugins.methods.fedex import RESIDUAL
 from fs_plugins.methods.registry import get_method_class
 from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 
@@ -25,6 +29,24 @@ def run(tmp_path, method, client_cfgs=None, rounds=2, **updates):
 
 def train_rows(results):
     return [r for r in results.rows if r['kind'] == 'train']
+
+
+def direct_method(tmp_path, method, **updates):
+    """The method object built from a loaded tiny config, for driving its server side by hand."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(write_yaml(tmp_path / 'direct.yaml', tiny_config(tmp_path, method, **updates)))
+    return get_method_class(method)(cfg)
+
+
+def naive_weighted_mean(values, weights):
+    """Σ n_k x_k / Σ n_k over tensors, in float64."""
+    return sum(float(n) * x.double() for n, x in zip(weights, values)) / float(sum(weights))
+
+
+def lora_pair(gen, r, d_in, d_out, prefix='m.q_proj'):
+    """{A key: (r, d_in), B key: (d_out, r)} with peft's key names, float32."""
+    return {f'{prefix}.lora_A.default.weight': torch.randn(r, d_in, generator=gen),
+            f'{prefix}.lora_B.default.weight': torch.randn(d_out, r, generator=gen)}
 
 
 def test_ffa_trains_and_sends_only_b(tmp_path):
@@ -76,10 +98,64 @@ def test_adaptive_server_step_formula(variant):
     torch.testing.assert_close(moments['w'][1], v)
 
 
+SERVER_OPT_HP = {'server_lr': 0.05, 'beta1': 0.8, 'beta2': 0.95, 'tau': 0.01}
+
+
+def _sign(x):
+    return (x > 0) - (x < 0)
+
+
+def _naive_server_round(variant, x, m, v, avg, hp):
+    """One round of Reddi et al.'s update, element by element in Python floats (the formulas of
+    aggregation/server_opt.py's docstring). Returns new (x, m, v) lists."""
+    x2, m2, v2 = [], [], []
+    for xj, mj, vj, aj in zip(x, m, v, avg):
+        d = aj - xj
+        mj = hp.beta1 * mj + (1 - hp.beta1) * d
+        if variant == 'fedadagrad':
+            vj = vj + d * d
+        elif variant == 'fedadam':
+            vj = hp.beta2 * vj + (1 - hp.beta2) * d * d
+        else:
+            vj = vj - (1 - hp.beta2) * d * d * _sign(vj - d * d)
+        x2.append(xj + hp.server_lr * mj / (math.sqrt(vj) + hp.tau))
+        m2.append(mj)
+        v2.append(vj)
+    return x2, m2, v2
+
+
 @pytest.mark.parametrize('method', ['fedadam', 'fedyogi', 'fedadagrad'])
 def test_server_optimisers_run_and_keep_moments(tmp_path, method):
     results, _ = run(tmp_path, method)
     assert {r['bytes_up'] for r in train_rows(results)} == {4 * (A_NUMEL + B_NUMEL)}
+    # the server side against a naive re-implementation, two rounds so the moments carry over
+    opt = direct_method(tmp_path / 'direct', method, fsplug={method: SERVER_OPT_HP})
+    hp = opt.hparams
+    assert {k: getattr(hp, k) for k in SERVER_OPT_HP} == SERVER_OPT_HP   # config reaches it
+    x0 = [1.0, -2.0, 0.5, 0.0]
+    rounds = [  # (n1, client 1's w), (n2, client 2's w)
+        ((3, [1.4, -2.6, 0.5, 0.2]), (1, [0.2, -1.0, 0.9, -0.3])),
+        ((2, [0.1, -1.5, 2.0, 0.4]), (5, [1.9, -2.2, -0.7, 0.1])),
+    ]
+    state = opt.init_server_state({'w': torch.tensor(x0)})
+    x, m, v = list(x0), [0.0] * 4, [0.0] * 4
+    for k, ((n1, w1), (n2, w2)) in enumerate(rounds):
+        state = opt.aggregate(state, [ClientUpdate(1, n1, {'w': torch.tensor(w1)}),
+                                      ClientUpdate(2, n2, {'w': torch.tensor(w2)})])
+        avg = [(n1 * a + n2 * b) / (n1 + n2) for a, b in zip(w1, w2)]
+        x_before = list(x)
+        x, m, v = _naive_server_round(method, x, m, v, avg, hp)
+        assert state['global']['w'].dtype == torch.float32
+        torch.testing.assert_close(state['global']['w'].double(), torch.tensor(x, dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-6, msg=f'{method} global, round {k}')
+        m_got, v_got = state['moments']['w']
+        torch.testing.assert_close(m_got.double(), torch.tensor(m, dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-6, msg=f'{method} m, round {k}')
+        torch.testing.assert_close(v_got.double(), torch.tensor(v, dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-7, msg=f'{method} v, round {k}')
+    # round 2 really used round 1's moments: restarting them from zero gives other numbers
+    x_fresh, _, _ = _naive_server_round(method, x_before, [0.0] * 4, [0.0] * 4, avg, hp)
+    assert max(abs(a - b) for a, b in zip(x_fresh, x)) > 1e-3
 
 
 def test_scaffold_controls(tmp_path):
@@ -104,6 +180,43 @@ def test_fed_a2_runs_and_uploads_like_fedavg(tmp_path):
     assert {r['bytes_up'] for r in train_rows(results)} == {4 * (A_NUMEL + B_NUMEL)}
 
 
+def _naive_fed_a2(updates, lam):
+    """A = Σ p_k A_k, B = (Σ p_k B_k A_k) Aᵀ (A Aᵀ + λ I)⁻¹ in float64 for the one LoRA pair."""
+    a_key, b_key = sorted(k for k in updates[0].shared if '.lora_' in k)
+    n = [u.num_samples for u in updates]
+    A = naive_weighted_mean([u.shared[a_key] for u in updates], n)
+    U = naive_weighted_mean([u.shared[b_key].double() @ u.shared[a_key].double() for u in updates], n)
+    G = A @ A.T + lam * torch.eye(A.shape[0], dtype=torch.float64)
+    return a_key, b_key, A, U @ A.T @ torch.linalg.inv(G)
+
+
+def test_fed_a2_method_passes_the_ridge_through(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    r, d_in, d_out = 3, 7, 5
+    updates = [ClientUpdate(1, 4, {**lora_pair(gen, r, d_in, d_out), 'm.norm.weight': torch.randn(d_in, generator=gen)}),
+               ClientUpdate(2, 1, {**lora_pair(gen, r, d_in, d_out), 'm.norm.weight': torch.randn(d_in, generator=gen)})]
+    initial = {**{k: torch.zeros_like(v) for k, v in updates[0].shared.items()},
+               'm.other.weight': torch.ones(2)}
+    results = {}
+    for lam, updates_cfg in ((0.5, {'fsplug': {'fed_a2': {'ridge': 0.5}}}), (0.0, {})):
+        method = direct_method(tmp_path / f'lam{lam}', 'fed_a2', **updates_cfg)
+        assert method.hparams.ridge == (0.5 if lam else None)
+        state = method.aggregate(method.init_server_state(dict(initial)), updates)
+        a_key, b_key, A_ref, B_ref = _naive_fed_a2(updates, lam)
+        out = state['global']
+        torch.testing.assert_close(out[a_key].double(), A_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[b_key].double(), B_ref, rtol=1e-5, atol=1e-6)
+        # other shared tensors are sample-weighted means; untouched globals are kept
+        torch.testing.assert_close(out['m.norm.weight'].double(),
+                                   naive_weighted_mean([u.shared['m.norm.weight'] for u in updates], [4, 1]),
+                                   rtol=1e-6, atol=1e-6)
+        assert torch.equal(out['m.other.weight'], torch.ones(2))
+        results[lam] = out[b_key]
+    # λ = 0.5 measurably changes B here (the A Aᵀ of this test is well conditioned, so the
+    # default ridge: null means λ = 0)
+    assert float((results[0.5] - results[0.0]).abs().max()) > 1e-2
+
+
 def test_fedex_folds_the_residual_and_pays_full_size(tmp_path):
     results, clients = run(tmp_path, 'fedex', rounds=3)
     down = {r['round']: r['bytes_down'] for r in train_rows(results) if r['client'] == 1}
@@ -114,6 +227,67 @@ def test_fedex_folds_the_residual_and_pays_full_size(tmp_path):
     layer = proc.model.get_submodule(prefix)
     assert not torch.equal(layer.base_layer.weight, w0)           # residual folded in
     assert layer.base_layer.weight.data_ptr() != clients[2].model.get_submodule(prefix).base_layer.weight.data_ptr()
+    # receive folds a given cumulative residual: W = W0 + s · R (not accumulated on W)
+    gen = torch.Generator().manual_seed(0)
+    weight = layer.base_layer.weight
+    a_key = f'{prefix}.lora_A.default.weight'
+    new_a = torch.randn(proc.params[a_key].shape, generator=gen)
+    w0_before = w0.clone()
+    for _ in range(2):                                            # receiving twice is harmless
+        residual = torch.randn(weight.shape, generator=gen)
+        proc.method.receive(proc.model, {a_key: new_a, RESIDUAL + prefix: residual}, proc.state)
+        assert torch.equal(proc.state['w0'][prefix], w0_before)   # W0 is kept, not overwritten
+        torch.testing.assert_close(weight.detach(),
+                                   proc.state['w0'][prefix] + layer.scaling['default'] * residual)
+        torch.testing.assert_close(proc.params[a_key].detach(), new_a)
+    assert layer.scaling['default'] == pytest.approx(16 / R)
+
+
+def _naive_residual(updates, prefix):
+    """Σ p_k B_k A_k − B̄ Ā with Ā, B̄ the p-weighted means, float64."""
+    a_key, b_key = f'{prefix}.lora_A.default.weight', f'{prefix}.lora_B.default.weight'
+    n = [u.num_samples for u in updates]
+    A_avg = naive_weighted_mean([u.shared[a_key] for u in updates], n)
+    B_avg = naive_weighted_mean([u.shared[b_key] for u in updates], n)
+    product = naive_weighted_mean([u.shared[b_key].double() @ u.shared[a_key].double() for u in updates], n)
+    return product - B_avg @ A_avg
+
+
+def test_fedex_server_accumulates_the_residual(tmp_path):
+    method = direct_method(tmp_path, 'fedex')
+    gen = torch.Generator().manual_seed(5)
+    prefixes = {'m.q_proj': (6, 4), 'm.up_proj': (9, 4)}           # (d_out, d_in)
+    r = 2
+
+    def update(cid, n):
+        shared = {}
+        for prefix, (d_out, d_in) in prefixes.items():
+            shared.update(lora_pair(gen, r, d_in, d_out, prefix))
+        return ClientUpdate(cid, n, shared)
+
+    initial = {k: torch.zeros_like(v) for k, v in update(0, 1).shared.items()}
+    state = method.init_server_state(initial)
+    rounds = [[update(1, 3), update(2, 1)], [update(1, 2), update(2, 5)]]
+    expected = {p: torch.zeros(d_out, d_in, dtype=torch.float64) for p, (d_out, d_in) in prefixes.items()}
+    for updates in rounds:
+        state = method.aggregate(state, updates)
+        for prefix in prefixes:
+            expected[prefix] = expected[prefix] + _naive_residual(updates, prefix)
+            assert state['residual'][prefix].dtype == torch.float32
+            torch.testing.assert_close(state['residual'][prefix].double(), expected[prefix],
+                                       rtol=1e-5, atol=1e-5)
+        for key in initial:
+            torch.testing.assert_close(
+                state['global'][key].double(),
+                naive_weighted_mean([u.shared[key] for u in updates], [u.num_samples for u in updates]),
+                rtol=1e-6, atol=1e-6)
+    # both rounds contribute (the second round's residual is not simply the cumulative one)
+    last = _naive_residual(rounds[1], 'm.q_proj')
+    assert float((expected['m.q_proj'] - last).abs().max()) > 1e-2
+    # and the content for a client carries the cumulative residual under RESIDUAL + prefix
+    content = method.content_for(state, 1)
+    for prefix in prefixes:
+        assert torch.equal(content[RESIDUAL + prefix], state['residual'][prefix])
 
 
 def test_feddpa_local_adapter_stays_local(tmp_path):
@@ -157,9 +331,3 @@ def test_rslora_scaling(tmp_path):
     _, clients = run(tmp_path, 'fedavg', rounds=1, fsplug={'model': {'lora': {'use_rslora': True}}})
     layer = next(m for n, m in clients[1].model.named_modules() if n.endswith('q_proj') and hasattr(m, 'scaling'))
     assert layer.scaling['default'] == pytest.approx(16 / R ** 0.5)
-
-
-def test_every_method_is_registered():
-    for name in ['standalone', 'fedavg', 'fed_a2', 'fedex', 'ffa', 'fedsa', 'feddpa', 'flexlora',
-                 'hetlora', 'fedprox', 'fedadam', 'fedyogi', 'fedadagrad', 'scaffold']:
-        assert get_method_class(name).name == name

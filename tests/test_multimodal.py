@@ -89,6 +89,23 @@ def test_batched_generation_equals_one_by_one(tmp_path, builder):
         batched = generate_answers(built.model, built.codec, records, 5, 4)
         single = [generate_answers(built.model, built.codec, [r], 1, 4)[0] for r in records]
     assert batched == single
+    # the comparison means something only if there is text to compare: an answer that stops at
+    # once (stop token first) decodes to '' and would make any two runs agree
+    assert all(answer for answer in batched), batched
+    # the five prompts above have the same length, so the batch needs no padding; prompts of
+    # different lengths (left padding inside the batch), different images and answers
+    questions = ['what colour is it?', 'colour?', 'tell me which colour this picture shows, please?',
+                 'what is the colour of the square in the image?', 'hue?']
+    everything = load_records(data)
+    records = [{**everything[i], 'question': q} for i, q in zip((0, 6, 12, 1, 7), questions)]
+    lengths = [len(built.codec.encode_prompt(r)['input_ids']) for r in records]
+    assert len(set(lengths)) == len(lengths), lengths
+    with torch.no_grad():
+        batched = generate_answers(built.model, built.codec, records, 5, 4)
+        single = [generate_answers(built.model, built.codec, [r], 1, 4)[0] for r in records]
+    assert batched == single
+    assert all(answer for answer in batched), batched
+    assert len(set(batched)) > 1, batched     # a row mix-up in the batch would show
 
 
 def test_missing_and_unreadable_images_are_named(tmp_path):
