@@ -57,7 +57,7 @@ def build(model: str, config: str, workdir: str):
     method_name, hparams = CONFIGS[config]
     cfg = load_config(overrides={
         'seed': 1, 'outdir': workdir,
-        'federate': {'client_num': 1, 'method': 'fsplug'},
+        'federate': {'client_num': 1, 'method': 'fsplug'}, 'trainer': {'type': 'fsplug'},
         'data': {'type': 'tiny_tasks@fsplug', 'splitter': 'iid', 'root': workdir},
         'model': {'type': model_type},
         'train': {'optimizer': {'type': 'AdamW', 'lr': 1e-4}},

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=exp/fedmole_easyvqa
-same_targets=(fsplug.model.lora.target_modules "[q_proj, v_proj, up_proj]")
+same_targets=(fsplug.model.lora.target_modules "['q_proj', 'v_proj', 'up_proj']")
 dirs=()
 for seed in ${SEEDS:-1}; do
   for run in standalone fedavg fedmole fedmole_v1 fedmole_m1 fedmole_m2 fedmole_m3; do
