@@ -65,8 +65,7 @@ def extend_cfg(cfg) -> None:
 
 
 def raise_problems(plain: dict, fs_known: dict) -> None:
-    layer_modules = plain.get('fsplug', {}).get('import_modules', [])
-    import_extra_modules(layer_modules)
+    import_extra_modules(plain.get('fsplug', {}).get('import_modules', []))
     _, problems = validate(plain, fs_known)
     if problems:
         raise ConfigError(problems)
