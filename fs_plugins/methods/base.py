@@ -46,6 +46,15 @@ class ClientUpdate:
     shared: dict[str, torch.Tensor]
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    dataset_size: int = 0             # n_k: the client's training records
+    # p_k before normalisation, set by the server from fsplug.aggregation.weights
+    # (server.aggregation_weight); None: num_samples
+    weight: Optional[float] = None
+
+
+def weights_of(updates) -> list[float]:
+    """The clients' aggregation weights (unnormalised p_k) in the order of `updates`."""
+    return [float(u.num_samples if u.weight is None else u.weight) for u in updates]
 
 
 class Method:
@@ -128,8 +137,7 @@ class Method:
 
     def aggregate(self, server_state: dict, updates: list[ClientUpdate]) -> dict:
         """New server state from the previous one and this round's updates (FedAvg here)."""
-        merged = weighted_average([u.shared for u in updates],
-                                  [u.num_samples for u in updates])
+        merged = weighted_average([u.shared for u in updates], weights_of(updates))
         return {**server_state, 'global': {**server_state['global'], **merged}}
 
     def content_for(self, server_state: dict, client_id: int) -> dict[str, torch.Tensor]:

@@ -7,9 +7,10 @@ would treat the fused E·r rows as one rank-(E·r) factor. All k experts stay ac
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fs_plugins.aggregation.experts import (block_of, expert_rank, fit_expert_rank, fuse,
                                             is_expert_factor, unfuse)
-from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.flame import ExpertRoutingMethod, experts_per_block
 from fs_plugins.methods.flexlora import FlexLoRA
 from fs_plugins.methods.hetlora import HetLoRA
@@ -22,8 +23,7 @@ class ExpertwiseRanks(ExpertRoutingMethod):
 
     def aggregate(self, server_state, updates):
         experts = experts_per_block(updates)
-        split = [ClientUpdate(u.client_id, u.num_samples, unfuse(u.shared, experts), u.extra,
-                              u.metrics) for u in updates]
+        split = [replace(u, shared=unfuse(u.shared, experts)) for u in updates]
         state = {**server_state, 'global': unfuse(server_state['global'], experts)}
         new_state = super().aggregate(state, split)
         return {**new_state, 'global': fuse(new_state['global'])}

@@ -9,7 +9,7 @@ import torch
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.lora import fedex_residual
 from fs_plugins.aggregation.pairs import lora_pairs
-from fs_plugins.methods.base import Method, load_tensors
+from fs_plugins.methods.base import Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 
 RESIDUAL = 'residual/'
@@ -30,7 +30,7 @@ class FedExLoRA(Method):
         return {'global': dict(initial_shared), 'residual': {}}
 
     def aggregate(self, server_state, updates):
-        weights = [u.num_samples for u in updates]
+        weights = weights_of(updates)
         merged = weighted_average([u.shared for u in updates], weights)
         residual = dict(server_state['residual'])
         for prefix, (a_key, b_key) in lora_pairs(merged).items():

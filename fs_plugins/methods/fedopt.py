@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.server_opt import adaptive_server_step
-from fs_plugins.methods.base import Method
+from fs_plugins.methods.base import Method, weights_of
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
@@ -30,7 +30,7 @@ class _FedOpt(Method):
         return {'global': dict(initial_shared), 'moments': {}}
 
     def aggregate(self, server_state, updates):
-        average = weighted_average([u.shared for u in updates], [u.num_samples for u in updates])
+        average = weighted_average([u.shared for u in updates], weights_of(updates))
         hp = self.hparams
         new_global, moments = adaptive_server_step(
             server_state['global'], average, server_state['moments'], self.variant,

@@ -18,7 +18,7 @@ import torch
 
 from fs_plugins.aggregation.activation import activation_aware_average
 from fs_plugins.errors import ConfigError
-from fs_plugins.methods.base import Method, load_tensors
+from fs_plugins.methods.base import Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 from fs_plugins.tuners.flame import (RESCALE_MODES, RESCALE_NAME, RoutingTracker, install_rescaler,
@@ -124,7 +124,7 @@ class Flame(ExpertRoutingMethod):
     # ------------------------------------------------------------------ server
     def aggregate(self, server_state, updates):
         merged = activation_aware_average(
-            server_state['global'], [u.shared for u in updates], [u.num_samples for u in updates],
+            server_state['global'], [u.shared for u in updates], weights_of(updates),
             [float(u.extra[STEPS_KEY]) for u in updates], [counts_of(u) for u in updates],
             self.hparams.temperature)
         return {**server_state, 'global': {**server_state['global'], **merged}}

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.pairs import fit_rank, is_lora_factor, lora_pairs, lora_rank
-from fs_plugins.methods.base import ClientUpdate, load_tensors
+from fs_plugins.methods.base import ClientUpdate, load_tensors, weights_of
 
 
 def aggregate_by_layer(global_state: dict, updates: list[ClientUpdate], combine) -> dict:
     """New global state: `combine(As, Bs, weights) -> (A, B)` for every LoRA layer all
     updates share; sample-weighted averaging for any other shared tensor."""
-    weights = [u.num_samples for u in updates]
+    weights = weights_of(updates)
     pairs = lora_pairs(set.intersection(*(set(u.shared) for u in updates)))
     paired = {k for ab in pairs.values() for k in ab}
     out = dict(global_state)

@@ -12,7 +12,7 @@ import torch
 
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.scaffold import scaffold_client_control, scaffold_server_control
-from fs_plugins.methods.base import Method, load_tensors
+from fs_plugins.methods.base import Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 
 CONTROL = 'control/'
@@ -69,7 +69,7 @@ class Scaffold(Method):
                 'c': {k: torch.zeros_like(v, dtype=torch.float32) for k, v in initial_shared.items()}}
 
     def aggregate(self, server_state, updates):
-        merged = weighted_average([u.shared for u in updates], [u.num_samples for u in updates])
+        merged = weighted_average([u.shared for u in updates], weights_of(updates))
         c = dict(server_state['c'])
         for name in c:
             deltas = [u.extra[CONTROL + name] for u in updates if CONTROL + name in u.extra]
