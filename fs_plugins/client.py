@@ -19,16 +19,15 @@ from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
 from fs_plugins.metrics.token import answer_token_stats
 from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.models.builders import BuiltModel
-from fs_plugins.optim import build_optimizer, build_scheduler
+from fs_plugins.optim import build_optimizer, build_scheduler, schedule_window
 
 logger = logging.getLogger(__name__)
 
 
-def expand_phases(phases: list[Phase], total_steps: int) -> list[Phase]:
-    """Phase of each local step; the phases' steps must add up to the round's steps."""
-    if sum(p.steps for p in phases) != total_steps:
-        raise ValueError(f"Phases {[(p.name, p.steps) for p in phases]} cover "
-                         f"{sum(p.steps for p in phases)} steps, the round has {total_steps}")
+def expand_phases(phases: list[Phase]) -> list[Phase]:
+    """Phase of each local step of a round."""
+    if not phases or any(p.steps < 0 for p in phases) or sum(p.steps for p in phases) == 0:
+        raise ValueError(f"Phases {[(p.name, p.steps) for p in phases]} cover no local step")
     return [p for p in phases for _ in range(p.steps)]
 
 
@@ -41,8 +40,10 @@ class ClientProcedure:
         self.params = dict(self.model.named_parameters())
         self.device = torch.device(device)
         self.train_data = EncodedDataset(records['train'], self.codec, f'client {client_id} train')
-        self.test_data = EncodedDataset(records.get('test') or [], self.codec,
-                                        f'client {client_id} test')
+        # held-out splits evaluated as <split>_* metrics: 'test' always, 'val' when the data has one
+        self.eval_data = {split: EncodedDataset(records.get(split) or [], self.codec,
+                                                f'client {client_id} {split}')
+                          for split in ('test', 'val')}
         if not self.train_data:
             raise ValueError(f"Client {client_id} has no usable training records")
         self.collate = self.codec.collate
@@ -52,6 +53,7 @@ class ClientProcedure:
                                   client_id)
         self.state = method.init_client_state(self.model, cfg)
         self.optimizer = self.scheduler = None
+        self.round_idx = 0   # the federation's round (0-based), for run-level LR schedules
 
     # ------------------------------------------------------------------ receive
     def receive(self, content: dict) -> None:
@@ -59,16 +61,21 @@ class ClientProcedure:
 
     # --------------------------------------------------------------- local round
     def steps_per_round(self) -> int:
+        """One local pass as FS's train.local_update_steps / batch_or_epoch define it (a method
+        may run several, one per phase)."""
         return local_steps(self.cfg.train, len(self.train_data), self.batch_size)
 
     def begin_round(self) -> int:
-        steps = self.steps_per_round()
-        self.step_phases = expand_phases(self.method.phases(steps, self.cfg), steps)
+        """Prepares a local round; returns its optimiser steps (all phases together)."""
+        self.step_phases = expand_phases(self.method.phases(self.steps_per_round(), self.cfg))
+        steps = len(self.step_phases)
         self.model.to(self.device)
         self.model.train()
         self.optimizer = build_optimizer([self.params[n] for n in self.trainable_names],
                                          self.cfg.train.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.train.scheduler, steps)
+        total, start = schedule_window(self.cfg.fsplug.train.lr_schedule, self.round_idx,
+                                       int(self.cfg.federate.total_round_num), steps)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.train.scheduler, total, start)
         self.step_index, self.current_phase = 0, None
         self.stats = {'loss_sum': 0.0, 'samples': 0, 'steps': 0, 'skipped': 0}
         return steps
@@ -118,12 +125,15 @@ class ClientProcedure:
         self.optimizer = self.scheduler = None
         samples = self.stats['samples']
         shared = self.method.shared_tensors(self.model, self.trainable_names)
+        extra = self.method.client_extra(self.model, self.state)
         metrics = {'train_avg_loss': self.stats['loss_sum'] / samples if samples else float('nan'),
-                   'train_steps': self.stats['steps']}
-        return ClientUpdate(self.client_id, samples, shared,
-                            self.method.client_extra(self.model, self.state), metrics)
+                   'train_steps': self.stats['steps'],
+                   **self.method.client_metrics(self.model, self.state)}
+        return ClientUpdate(self.client_id, samples, shared, extra, metrics,
+                            dataset_size=len(self.train_data))
 
-    def run_round(self) -> ClientUpdate:
+    def run_round(self, round_idx: int) -> ClientUpdate:
+        self.round_idx = round_idx
         for _ in range(self.begin_round()):
             batch = self.next_batch()
             loss = self.compute_loss(batch)
@@ -136,7 +146,7 @@ class ClientProcedure:
     def evaluate(self, split: str = 'test') -> dict:
         """Answer-token loss and next-token accuracy on the client's own split, plus the
         generation metrics (fsplug.eval.gen_metrics) when fsplug.eval.generate is on."""
-        dataset = self.test_data if split == 'test' else None
+        dataset = self.eval_data.get(split)
         if not dataset:
             return {}
         self.model.to(self.device)
@@ -170,7 +180,7 @@ class ClientProcedure:
         predictions = generate_answers(self.model, self.codec, records, self._eval_batch_size(),
                                        self.cfg.fsplug.eval.max_new_tokens, self.device)
         references = [reference_answer(r) for r in records]
-        if self.predictions_path:
+        if self.predictions_path and split == 'test':
             write_predictions(self.predictions_path, self.client_id, records, predictions)
         return {f'{split}_{name}': GENERATION_METRICS[name](predictions, references)
                 for name in self.cfg.fsplug.eval.gen_metrics}

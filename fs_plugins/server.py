@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fs_plugins.aggregation.average import client_weights
 from fs_plugins.methods.base import ClientUpdate, Method
 from fs_plugins.results import ResultsLog, payload_bytes
 from fs_plugins.seeding import derive_seed
@@ -21,6 +22,7 @@ def sample_clients(seed: int, round_idx: int, client_ids, k: int) -> list[int]:
 class ServerProcedure:
     def __init__(self, cfg, method: Method, initial_shared: dict, results: ResultsLog):
         self.cfg, self.method, self.results = cfg, method, results
+        results.client_groups = method.client_groups
         self.state = method.init_server_state(initial_shared)
         self.bytes_down: dict[int, int] = {}
 
@@ -36,6 +38,10 @@ class ServerProcedure:
 
     def aggregate(self, round_idx: int, updates: list[ClientUpdate]) -> None:
         updates = sorted(updates, key=lambda u: u.client_id)
+        weights = client_weights(self.cfg.fsplug.aggregation.weights,
+                                 [u.dataset_size for u in updates], [u.num_samples for u in updates])
+        for update, weight in zip(updates, weights):
+            update.weight = weight
         for update in updates:
             sent = payload_bytes(update.shared) + payload_bytes(update.extra)
             self.results.log_train(round_idx, update.client_id, update.num_samples, sent,

@@ -64,7 +64,7 @@ def test_only_shared_keys_leave_and_counters_persist(tmp_path):
     """(a)+(c) lora_B stays local; the step counter survives rounds and is sent as extra."""
     cfg = _cfg(tmp_path)
     proc = _client(cfg)
-    first = proc.run_round()
+    first = proc.run_round(0)
     assert first.shared and all('lora_A' in n for n in first.shared)
     assert int(first.extra['steps_total'][0]) == 5
     b_before = {n: proc.params[n].detach().clone() for n in proc.trainable_names if 'lora_B' in n}
@@ -72,7 +72,7 @@ def test_only_shared_keys_leave_and_counters_persist(tmp_path):
     for n, t in b_before.items():                       # receiving leaves local params alone
         assert torch.equal(proc.params[n], t)
     assert all(torch.count_nonzero(proc.params[n]) == 0 for n in first.shared)
-    second = proc.run_round()
+    second = proc.run_round(1)
     assert int(second.extra['steps_total'][0]) == 10
 
 
@@ -87,7 +87,7 @@ def test_server_state_and_personalised_content(tmp_path):
         updates = []
         for cid, proc in clients.items():
             proc.receive(server.content_for(cid))
-            updates.append(proc.run_round())
+            updates.append(proc.run_round(round_idx))
         server.aggregate(round_idx, updates)
     assert server.state['rounds'] == 2
     assert server.state['counters'] == {1: 10, 2: 10, 3: 10}

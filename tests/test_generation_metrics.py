@@ -10,7 +10,7 @@ from fs_plugins.metrics.detection import box_iou, detection_iou, format_boxes, p
 from fs_plugins.metrics.generation_metrics import GENERATION_METRICS, generation_metric
 from fs_plugins.metrics.judge import build_prompt, load_template, parse_score, summarise_scores
 from fs_plugins.metrics.text import rouge_l
-from fs_plugins.metrics.vqa import normalize_answer, vqa_accuracy
+from fs_plugins.metrics.vqa import normalize_answer, vqa_accuracy, vqa_exact_accuracy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'scripts'))
 import judge_reports  # noqa: E402
@@ -34,6 +34,17 @@ def test_vqa_accuracy_exact_match_after_normalisation():
         vqa_accuracy(['a', 'b'], ['a'])
     with pytest.raises(ValueError, match='no acceptable answer'):
         vqa_accuracy(['a'], [[]])
+
+
+def test_vqa_exact_is_strict_apart_from_surrounding_white_space():
+    """The paper's exact match: case, articles and punctuation count."""
+    predictions = [' yes\n', 'Yes', 'two', 'the cat', 'blue']
+    references = ['yes', 'yes', '2', ['dog', 'the cat'], ['green', 'Blue']]
+    assert vqa_exact_accuracy(predictions, references) == pytest.approx(2 / 5)
+    assert vqa_accuracy(predictions, references) == 1.0
+    assert math.isnan(vqa_exact_accuracy([], []))
+    with pytest.raises(ValueError, match='no acceptable answer'):
+        vqa_exact_accuracy(['a'], [[]])
 
 
 def test_box_iou_known_values():
@@ -74,7 +85,7 @@ def test_rouge_l_known_values():
 
 
 def test_generation_metrics_mapping():
-    assert set(GENERATION_METRICS) == {'vqa_acc', 'iou', 'rougeL'}
+    assert set(GENERATION_METRICS) == {'vqa_acc', 'vqa_exact', 'iou', 'rougeL'}
     assert generation_metric('vqa_acc')(['Yes'], ['yes']) == 1.0
     assert generation_metric('iou')(['[0, 0, 2, 2]'], ['[1, 1, 3, 3]']) == pytest.approx(1 / 7)
     with pytest.raises(KeyError, match='unknown generation metric'):

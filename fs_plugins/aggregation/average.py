@@ -17,6 +17,25 @@ def normalise_weights(weights: Sequence[float]) -> torch.Tensor:
     return w / total
 
 
+def client_weights(mode: str, dataset_sizes: Sequence[int], processed: Sequence[int]) -> list[float]:
+    """Unnormalised client weights p_k for `mode` (fsplug.aggregation.weights):
+    'dataset_size' n_k (the papers' p_k = n_k / Σ n), 'processed' (samples trained this
+    round), 'uniform' (1 each)."""
+    if len(dataset_sizes) != len(processed):
+        raise ValueError(f"{len(dataset_sizes)} dataset sizes but {len(processed)} processed counts")
+    if mode == 'dataset_size':
+        if any(int(n) <= 0 for n in dataset_sizes):
+            raise ValueError(f"fsplug.aggregation.weights = 'dataset_size' needs every client's "
+                             f"training-set size, got {list(dataset_sizes)}")
+        return [float(n) for n in dataset_sizes]
+    if mode == 'processed':
+        return [float(n) for n in processed]
+    if mode == 'uniform':
+        return [1.0] * len(processed)
+    raise ValueError(f"fsplug.aggregation.weights = '{mode}' is not one of "
+                     f"'dataset_size', 'processed', 'uniform'")
+
+
 def weighted_average(states: Sequence[dict], weights: Sequence[float]) -> dict:
     """Per key: sum_k p_k x_k with p_k = w_k / sum w over the states holding that key.
 

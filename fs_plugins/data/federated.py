@@ -1,4 +1,4 @@
-"""From a config to per-client record splits (train / test), the same under both runners."""
+"""From a config to per-client record splits (train / val / test), the same under both runners."""
 from __future__ import annotations
 
 import logging
@@ -24,7 +24,8 @@ class RecordList(list, torch.utils.data.Dataset):
 
 @dataclass
 class FederatedRecords:
-    clients: dict[int, dict[str, RecordList]]   # client id (1-based) -> {'train', 'test'}
+    # client id (1-based) -> {'train', 'test'[, 'val']}
+    clients: dict[int, dict[str, RecordList]]
     client_names: dict[int, str]                 # e.g. the source dataset of by_source clients
 
     @property
@@ -45,26 +46,43 @@ def resolve_data_path(cfg) -> str:
     return path
 
 
-def _train_test(indices: list[int], fraction: float, seed: int, client_id: int):
+def _held_out_count(fraction: float, total: int, available: int) -> int:
+    """round(fraction · total) of `available` records, at least 1 when fraction > 0, leaving
+    at least one."""
+    count = int(round(fraction * total))
+    if fraction > 0 and available >= 2:
+        count = max(count, 1)
+    return min(count, max(available - 1, 0))
+
+
+def _train_val_test(indices: list[int], test_fraction: float, val_fraction: float, seed: int,
+                    client_id: int) -> dict[str, list[int]]:
+    """One seeded permutation per client: its first test_fraction is the test split, the next
+    val_fraction the validation split (the test split does not depend on val_fraction)."""
     rng = np.random.default_rng(derive_seed(seed, 'test_split', client_id))
     order = rng.permutation(indices)
-    n_test = int(round(fraction * len(order)))
-    if fraction > 0 and len(order) >= 2:
-        n_test = min(max(n_test, 1), len(order) - 1)
-    return sorted(order[n_test:].tolist()), sorted(order[:n_test].tolist())
+    n_test = _held_out_count(test_fraction, len(order), len(order))
+    n_val = _held_out_count(val_fraction, len(order), len(order) - n_test)
+    return {'train': sorted(order[n_test + n_val:].tolist()),
+            'val': sorted(order[n_test:n_test + n_val].tolist()),
+            'test': sorted(order[:n_test].tolist())}
+
+
+SPLIT_NAMES = {'train': 'train', 'test': 'test', 'val': 'val', 'validation': 'val'}
 
 
 def _split_from_records(records: list[dict], indices: list[int], client_id: int):
-    """Train / test as the records' own "split" field says (fsplug.data.split_from_records)."""
-    parts = {'train': [], 'test': []}
+    """Train / val / test as the records' own "split" field says
+    (fsplug.data.split_from_records)."""
+    parts = {'train': [], 'val': [], 'test': []}
     for i in indices:
         split = records[i].get('split')
-        if split not in parts:
+        if split not in SPLIT_NAMES:
             raise ValueError(f"fsplug.data.split_from_records is on, but record "
                              f"{records[i].get('id', i)} (client {client_id}) has split = "
-                             f"{split!r}; expected 'train' or 'test'")
-        parts[split].append(i)
-    return parts['train'], parts['test']
+                             f"{split!r}; expected one of {sorted(SPLIT_NAMES)}")
+        parts[SPLIT_NAMES[split]].append(i)
+    return parts
 
 
 def build_federated_records(cfg) -> FederatedRecords:
@@ -83,14 +101,14 @@ def build_federated_records(cfg) -> FederatedRecords:
             raise ValueError(f"Client {cid} received no records from the "
                              f"'{cfg.data.splitter}' split; use fewer clients")
         if data_cfg.split_from_records:
-            train_idx, test_idx = _split_from_records(records, indices, cid)
+            split = _split_from_records(records, indices, cid)
         else:
-            train_idx, test_idx = _train_test(indices, data_cfg.test_fraction, cfg.seed,
-                                              cid)
-        clients[cid] = {'train': RecordList(records[i] for i in train_idx),
-                        'test': RecordList(records[i] for i in test_idx)}
+            split = _train_val_test(indices, data_cfg.test_fraction, data_cfg.val_fraction,
+                                    cfg.seed, cid)
+        clients[cid] = {name: RecordList(records[i] for i in part)
+                        for name, part in split.items() if part or name != 'val'}
         client_names[cid] = names[cid - 1]
     logger.info('fsplug data: ' + ', '.join(
-        f"client {c} ({client_names[c]}): {len(d['train'])} train / {len(d['test'])} test"
+        f"client {c} ({client_names[c]}): " + ' / '.join(f'{len(d[s])} {s}' for s in d)
         for c, d in clients.items()))
     return FederatedRecords(clients, client_names)

@@ -9,6 +9,7 @@ from fs_plugins.methods.base import ClientUpdate
 
 MARKER = '__fsplug__'
 SHARED, EXTRA, METRIC = 'shared/', 'extra/', 'metric/'
+DATASET_SIZE = 'meta/dataset_size'
 
 
 def _serialise(value, distributed: bool):
@@ -41,10 +42,12 @@ def encode_update(update: ClientUpdate, distributed: bool) -> dict:
     out = encode_tensors(update.shared, distributed)
     out.update({EXTRA + k: _serialise(v, distributed) for k, v in update.extra.items()})
     out.update({METRIC + k: float(v) for k, v in update.metrics.items()})
+    out[DATASET_SIZE] = int(update.dataset_size)
     return out
 
 
 def decode_update(client_id: int, num_samples: int, content: dict) -> ClientUpdate:
     extra = {k[len(EXTRA):]: _deserialise(v) for k, v in content.items() if k.startswith(EXTRA)}
     metrics = {k[len(METRIC):]: float(v) for k, v in content.items() if k.startswith(METRIC)}
-    return ClientUpdate(int(client_id), int(num_samples), decode_tensors(content), extra, metrics)
+    return ClientUpdate(int(client_id), int(num_samples), decode_tensors(content), extra, metrics,
+                        dataset_size=int(content.get(DATASET_SIZE, 0)))

@@ -148,6 +148,7 @@ class PluginClient(Client):
 
     def callback_funcs_for_model_para(self, message):
         self.state = message.state
+        self.trainer.procedure.round_idx = int(message.state)
         self.trainer.update(message.content)
         self.trainer.train()
         update = self.trainer.last_update

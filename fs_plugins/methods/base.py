@@ -125,6 +125,11 @@ class Method:
         (it may update `state`, e.g. a control variate)."""
         return {}
 
+    def client_metrics(self, model: torch.nn.Module, state: dict) -> dict[str, float]:
+        """Scalars logged with the client's train row of the round (after `client_extra`),
+        e.g. a summary of FLAME's activation frequencies."""
+        return {}
+
     def receive(self, model: torch.nn.Module, content: dict[str, torch.Tensor],
                 state: dict) -> None:
         """Applies what the server sent to this client (default: load shared tensors)."""
@@ -143,6 +148,11 @@ class Method:
     def content_for(self, server_state: dict, client_id: int) -> dict[str, torch.Tensor]:
         """What client `client_id` receives before training or evaluation."""
         return server_state['global']
+
+    def client_groups(self, client_ids) -> dict[str, list[int]]:
+        """Named groups of clients whose mean the summary reports beside the overall one
+        (e.g. FLAME's budget levels β1..βn); {} for none."""
+        return {}
 
 
 def load_tensors(model: torch.nn.Module, content: dict[str, torch.Tensor]) -> None:

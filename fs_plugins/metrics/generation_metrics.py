@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from fs_plugins.metrics.detection import detection_iou
 from fs_plugins.metrics.text import rouge_l
-from fs_plugins.metrics.vqa import vqa_accuracy
+from fs_plugins.metrics.vqa import vqa_accuracy, vqa_exact_accuracy
 
 GENERATION_METRICS = {
     'vqa_acc': vqa_accuracy,
+    'vqa_exact': vqa_exact_accuracy,
     'iou': detection_iou,
     'rougeL': rouge_l,
 }

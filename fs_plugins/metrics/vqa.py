@@ -1,7 +1,11 @@
-"""VQA exact-match accuracy after answer normalisation.
+"""VQA accuracy: the strict exact match of Fed-MoLE (appendix A.2: "counting a prediction as
+correct only when it exactly matches the ground-truth answer"), `vqa_exact_accuracy`, and the
+normalised match `vqa_accuracy`.
 
-Fed-MoLE (appendix A.2) counts a prediction correct only when it exactly matches the ground truth.
-Both sides are normalised first (`normalize_answer`), in the spirit of the official VQA evaluation:
+`vqa_exact_accuracy` compares the texts as they are, only surrounding white space removed (the
+generated answer's leading space / trailing newline are tokenizer artefacts): case, articles and
+punctuation count. `vqa_accuracy` normalises both sides first (`normalize_answer`), in the
+spirit of the official VQA evaluation:
 1. lower case, surrounding white space removed;
 2. thousands separators inside numbers dropped ("1,000" -> "1000"); a period is kept only between
    digits ("2.5"), otherwise removed;
@@ -53,4 +57,19 @@ def vqa_accuracy(predictions: list[str], references: list) -> float:
         return float('nan')
     correct = sum(normalize_answer(pred) in acceptable_answers(ref)
                   for pred, ref in zip(predictions, references))
+    return correct / len(predictions)
+
+
+def vqa_exact_accuracy(predictions: list[str], references: list) -> float:
+    """Share of predictions equal to an acceptable answer, surrounding white space aside
+    (nan without any sample)."""
+    check_lengths(predictions, references)
+    if not predictions:
+        return float('nan')
+    correct = 0
+    for pred, ref in zip(predictions, references):
+        answers = [ref] if isinstance(ref, str) else list(ref)
+        if not answers:
+            raise ValueError('a reference holds no acceptable answer')
+        correct += str(pred).strip() in {str(a).strip() for a in answers}
     return correct / len(predictions)

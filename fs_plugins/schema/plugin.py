@@ -64,7 +64,11 @@ class VeraOptions:
 @dataclass
 class VisionOptions:
     train_projector: bool = option(True, 'vision-language builders: the projector trains and is shared')
-    train_tower: bool = option(False, 'vision-language builders: the vision tower trains too')
+    train_tower: bool = option(False, 'vision-language builders: the whole vision tower trains too')
+    tower_lora_targets: list[str] = option(
+        [], 'vision-language builders: module names in the vision tower that get LoRA besides the '
+            "language model's lora.target_modules, same r / alpha (CLIP attention: [q_proj, k_proj, "
+            'v_proj, out_proj]; Fed-MoLE Table 5 counts LoRA on the tower)')
 
 
 @dataclass
@@ -89,11 +93,14 @@ class DataOptions:
     min_client_size: int = option(2, 'dirichlet re-draws until every client has this many records', ge=1)
     test_fraction: float = option(0.2, "fraction of each client's records held out as its test split",
                                   ge=0, lt=1)
+    val_fraction: float = option(0.0, "fraction of each client's records held out as its validation "
+                                      "split (evaluated as val_*; FLAME's 80/10/10: test_fraction and "
+                                      "val_fraction 0.1)", ge=0, lt=1)
     max_records: int = option(0, 'cap on records read from the file, before the split (0 = all)', ge=0)
     prompt: str = option('alpaca', 'prompt template of instruction records (multimodal records use '
                                    "their model's own format)", choices=_prompts)
-    split_from_records: bool = option(False, "train / test from the records' own 'split' field "
-                                             '(test_fraction unused)')
+    split_from_records: bool = option(False, "train / val / test from the records' own 'split' "
+                                             'field (test_fraction and val_fraction unused)')
 
 
 @dataclass
@@ -104,6 +111,26 @@ class EvalOptions:
     gen_metrics: list[str] = option([], 'metrics over generated answers, reported as test_<name>',
                                     choices=_gen_metrics)
     max_gen_samples: int = option(0, 'cap on test records generated per client (0 = all)', ge=0)
+
+
+AGGREGATION_WEIGHTS = ('dataset_size', 'processed', 'uniform')
+LR_SCHEDULE_SCOPES = ('run', 'round')
+
+
+@dataclass
+class AggregationOptions:
+    weights: str = option('dataset_size', "client weights p_k of every average: 'dataset_size' "
+                                          'n_k / Σn (as every paper defines them), '
+                                          "'processed' (samples trained this round) or 'uniform'",
+                          choices=AGGREGATION_WEIGHTS)
+
+
+@dataclass
+class TrainOptions:
+    lr_schedule: str = option('run', "scope of train.scheduler: 'run' = one schedule over all "
+                                     'rounds (local step s of round t is step t·S + s of R·S; the '
+                                     "papers' cosine over training), 'round' = restarted every "
+                                     'round over its S steps (FS-LLM)', choices=LR_SCHEDULE_SCOPES)
 
 
 @dataclass
@@ -117,3 +144,5 @@ class PluginOptions:
     model: ModelOptions = section(ModelOptions, 'model, tokenizer and adapter')
     data: DataOptions = section(DataOptions, 'client splits of the records')
     eval: EvalOptions = section(EvalOptions, 'per-client evaluation')
+    train: TrainOptions = section(TrainOptions, 'local training beyond FS\'s train.* keys')
+    aggregation: AggregationOptions = section(AggregationOptions, 'server-side averaging')

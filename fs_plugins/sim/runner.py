@@ -51,13 +51,14 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
             updates = []
             for cid in server.sample(round_idx, clients):
                 clients[cid].receive(server.content_for(cid))
-                updates.append(clients[cid].run_round())
+                updates.append(clients[cid].run_round(round_idx))
             server.aggregate(round_idx, updates)
             progress.set_postfix(train_loss=_mean(u.metrics['train_avg_loss'] for u in updates))
             if server.should_evaluate(round_idx + 1):
                 for cid, client in clients.items():
                     client.receive(server.content_for(cid, for_training=False))
-                    results.log_eval(round_idx, cid, client.evaluate('test'))
+                    results.log_eval(round_idx, cid,
+                                     {**client.evaluate('test'), **client.evaluate('val')})
     finally:
         summary = results.close()
     print(f'\nPer-client results ({cfg.fsplug.method}, embedded runner, seed {cfg.seed}):\n'
