@@ -4,10 +4,11 @@
 # M3 (aggregate shared + routers), with the same seed and budget (6 rounds x 10 local steps,
 # batch 4). Standalone and FedAvg put plain LoRA on the same targets as Fed-MoLE
 # (q_proj, v_proj, up_proj), so only the up_proj adapter's form and what is shared differ.
-#   SEEDS="1 2" bash scripts/fedmole_easyvqa.sh      (default: SEEDS=1)
+# Fed-MoLE's ADA phases each take a full pass of 10 steps (fsplug.fedmole.phase_steps: each).
+#   SEEDS="1 2 3" bash scripts/fedmole_easyvqa.sh      (default: SEEDS=1; OUT=exp/fedmole_easyvqa)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=exp/fedmole_easyvqa
+out=${OUT:-exp/fedmole_easyvqa}
 same_targets=(fsplug.model.lora.target_modules "['q_proj', 'v_proj', 'up_proj']")
 dirs=()
 for seed in ${SEEDS:-1}; do
@@ -23,5 +24,7 @@ for seed in ${SEEDS:-1}; do
     fs-plugins run --cfg "$cfg" seed "$seed" fsplug.results_dir "$dir" "${extra[@]}"
   done
 done
-python scripts/compare.py "${dirs[@]}" --metric test_vqa_acc \
-  --csv "$out/compare.csv" --plot "$out/test_vqa_acc.png"
+for metric in test_vqa_exact test_vqa_acc; do
+  python scripts/compare.py "${dirs[@]}" --metric $metric \
+    --csv "$out/compare_$metric.csv" --plot "$out/$metric.png"
+done

@@ -185,7 +185,7 @@ def test_routed_output_is_added_to_the_lora_layer(tmp_path):
 def test_each_phase_trains_exactly_its_parameters(tmp_path, alternating):
     """AdamW with weight decay: in each step exactly the phase's parameters get gradients
     and change; the routed experts' AdamW moments from phase 1 do not move them in phase 2."""
-    cfg = load(tmp_path, steps=4, alternating=alternating)
+    cfg = load(tmp_path, steps=2 if alternating else 4, alternating=alternating)
     cfg.train.optimizer = {'type': 'AdamW', 'lr': 0.01, 'weight_decay': 0.1}
     proc = build_clients(cfg)[1]
     expected = ([{ROUTED, ROUTER}] * 2 + [{SHARED}] * 2 if alternating
@@ -288,10 +288,32 @@ def test_v1_trains_everything_in_one_phase(tmp_path):
 
 @pytest.mark.parametrize('fraction,split', [(0.5, (5, 5)), (0.3, (3, 7)), (1.0, (10, 0))])
 def test_phase_split_is_configurable(tmp_path, fraction, split):
-    method = get_method_class('fedmole')(load(tmp_path, routed_fraction=fraction))
+    method = get_method_class('fedmole')(load(tmp_path, phase_steps='split',
+                                              routed_fraction=fraction))
     phases = method.phases(10, None)
     assert [p.name for p in phases] == ['routed', 'shared']
     assert tuple(p.steps for p in phases) == split
+
+
+def test_each_phase_gets_a_full_local_pass(tmp_path):
+    """Algorithm 1 loops over D_k once per phase: with the default `phase_steps: each` a round
+    of train.local_update_steps = 3 runs 3 routed and then 3 shared optimiser steps."""
+    cfg = load(tmp_path, rounds=1, steps=3)
+    proc = build_clients(cfg)[1]
+    before = snapshot(proc)
+    steps = proc.begin_round()
+    assert steps == 6
+    assert [p.name for p in proc.step_phases] == ['routed'] * 3 + ['shared'] * 3
+    for _ in range(steps):
+        batch = proc.next_batch()
+        loss = proc.compute_loss(batch)
+        proc.optimise(loss)
+        proc.record(loss.item(), batch['input_ids'].shape[0])
+    update = proc.end_round()
+    assert update.metrics['train_steps'] == 6
+    after = snapshot(proc)
+    moved = {parameter_kind(n) for n in before if not torch.equal(before[n], after[n])}
+    assert moved == {SHARED, ROUTED, ROUTER}
 
 
 @pytest.mark.parametrize('n,k', [(4, 1), (16, 4)])
@@ -304,3 +326,30 @@ def test_expert_count_and_top_k_sweep(tmp_path, n, k):
     assert mole.num_experts == n and mole.top_k == k
     experts, gates = mole.route(torch.randn(5, HIDDEN))
     assert experts.shape == gates.shape == (5, k)
+
+
+def test_paper_yaml_uploads_table5_bytes():
+    """Table 5: FedAvg + LoRA and Fed-MoLE send 226.8 MB per round for five clients on
+    LLaVA-1.5-7B. The paper YAML's LoRA (r = 8 on q, k, v, up of the language model and on q, k,
+    v of the CLIP tower, float32 adapters) gives exactly that; built on the meta device."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from fs_plugins.models.builders import scoped_targets
+    from helpers import REPO
+    cfg = load_config(f'{REPO}/yamls/fedmole/fedvqa_llava15_7b.yaml')
+    model_cfg = cfg.fsplug.model
+    # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14-336 + Vicuna-7B
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                       num_attention_heads=16, image_size=336, patch_size=14),
+        text_config=LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, vocab_size=32064))
+    with torch.device('meta'):
+        model = LlavaForConditionalGeneration(config)
+    targets = scoped_targets(model_cfg.lora.target_modules, 'language_model',
+                             model_cfg.vision.tower_lora_targets, 'vision_tower')
+    model = get_peft_model(model, LoraConfig(r=model_cfg.lora.r, target_modules=targets))
+    lora = sum(p.numel() for n, p in model.named_parameters() if 'lora_' in n)
+    assert not model_cfg.vision.train_projector
+    assert round(lora * 4 * cfg.federate.client_num / 1e6, 1) == 226.8

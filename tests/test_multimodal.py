@@ -79,6 +79,31 @@ def test_projector_switch_freezes_it(tmp_path, builder):
     assert all('lora_' in n for n in built.trainable_names)
 
 
+@pytest.mark.parametrize('builder,tower,targets', [
+    ('tiny_llava', 'vision_tower', ['q_proj', 'k_proj', 'v_proj']),
+    ('tiny_qwen2_vl', 'visual.blocks', ['qkv'])])
+def test_tower_lora_targets_put_lora_in_the_vision_tower(tmp_path, builder, tower, targets):
+    """Fed-MoLE's Table 5 bytes count LoRA on the CLIP tower's attention too."""
+    cfg, data = vl_config(tmp_path, builder, fsplug={'model': {'vision': {
+        'tower_lora_targets': targets, 'train_projector': False}}})
+    built = build_model(cfg, FedAvg(cfg))
+    lora = [n for n in built.trainable_names if 'lora_' in n]
+    in_tower = [n for n in lora if tower in n]
+    assert in_tower and {n.split('.lora_')[0].rsplit('.', 1)[-1] for n in in_tower} == set(targets)
+    assert all(tower in n or 'language_model' in n for n in lora)
+    assert all('lora_' in n for n in built.trainable_names)   # the rest of the tower stays frozen
+    batch = built.codec.collate([built.codec.encode(r) for r in load_records(data)[:2]])
+    built.model(**batch).loss.backward()
+    assert all(built.model.get_parameter(n).grad is not None for n in in_tower)
+
+
+def test_tower_lora_targets_need_a_vision_tower(tmp_path):
+    cfg = load_config(write_yaml(tmp_path / 'text.yaml', tiny_config(
+        tmp_path, 'fedavg', fsplug={'model': {'vision': {'tower_lora_targets': ['q_proj']}}})))
+    with pytest.raises(ConfigError, match='tower_lora_targets.*no vision tower'):
+        build_model(cfg, FedAvg(cfg))
+
+
 @pytest.mark.parametrize('builder', ['tiny_llava', 'tiny_qwen2_vl'])
 def test_batched_generation_equals_one_by_one(tmp_path, builder):
     cfg, data = vl_config(tmp_path, builder)

@@ -3,9 +3,9 @@
 Model: on `fedmole.target_modules` (default up_proj; each must be a LoRA target) peft's LoRA
 adapter is the shared expert and N routed LoRA experts + a top-K router are added
 (`fs_plugins.tuners.mole`); every other LoRA target stays plain LoRA.
-Local round (ADA): phase 'routed' trains routed experts + routers (shared expert and plain
-LoRA frozen), then phase 'shared' trains the shared experts + plain LoRA (routed + routers
-frozen). Upload: the shared experts and plain-LoRA layers only (same names and bytes as
+Local round (ADA, Algorithm 1): phase 'routed' trains routed experts + routers (shared expert
+and plain LoRA frozen), then phase 'shared' trains the shared experts + plain LoRA (routed +
+routers frozen); each phase is a full local pass by default (`phase_steps: each`). Upload: the shared experts and plain-LoRA layers only (same names and bytes as
 FedAvg-LoRA), sample-weighted FedAvg; routed experts and routers stay on the client.
 
 Ablations (paper Tables 3-4): `alternating: false` is V1 (one phase, everything trains);
@@ -42,15 +42,26 @@ def parameter_kind(name: str) -> str:
 class FedMoLEConfig:
     target_modules: list[str] = option(
         ['up_proj'], 'LoRA targets that get N routed experts + a router (their LoRA adapter is the '
-                     'shared expert); each must be in fsplug.model.lora.target_modules', min_items=1)
-    num_experts: int = option(8, 'routed LoRA experts N per MoLE layer', ge=1)
-    top_k: int = option(2, 'experts K each token is routed to (top-K router)', ge=1)
-    router_init_std: float = option(0.02, 'router init N(0, std²); 0 = all-zero router', ge=0)
-    alternating: bool = option(True, 'ADA: routed phase, then shared phase; false = ablation V1 '
-                                     '(everything trains jointly)')
-    routed_fraction: float = option(0.5, 'fraction of the local steps in the routed phase', ge=0, le=1)
-    aggregate: str = option('shared', 'what is aggregated: shared (paper) | all (M1) | none (M2) | '
-                                      'shared_router (M3)', choices=tuple(AGGREGATED_KINDS))
+                     'shared expert); each must be in fsplug.model.lora.target_modules (§4.1: '
+                     '"Fed-MoLE is applied only to the up_proj layer")', min_items=1)
+    num_experts: int = option(8, 'routed LoRA experts N per MoLE layer (§4.1: N = 8 by default)',
+                              ge=1)
+    top_k: int = option(2, 'experts K each token is routed to, top-K router with softmax over the '
+                           'K selected logits (Eq. 7; §4.1: K = 2)', ge=1)
+    router_init_std: float = option(0.02, 'router init N(0, std²); 0 = all-zero router (the paper '
+                                          'does not say; a small normal spreads tokens from step 1)',
+                                    ge=0)
+    alternating: bool = option(True, 'ADA (Algorithm 1): routed phase, then shared phase; false = '
+                                     'ablation V1 of Table 3 (everything trains jointly)')
+    phase_steps: str = option('each', "ADA phase budget: 'each' = every phase is a full local pass "
+                                      '(train.local_update_steps), as Algorithm 1 loops over D_k '
+                                      "once per phase; 'split' = the phases share one pass "
+                                      '(routed_fraction of it routed)', choices=('each', 'split'))
+    routed_fraction: float = option(0.5, "phase_steps: split: fraction of the local steps in the "
+                                         'routed phase', ge=0, le=1)
+    aggregate: str = option('shared', 'what is aggregated: shared (paper, Algorithm 1 last line) | '
+                                      'all (M1) | none (M2) | shared_router (M3) (Table 4)',
+                            choices=tuple(AGGREGATED_KINDS))
 
 
 def _last_name(module: str) -> str:
@@ -113,6 +124,10 @@ class FedMoLE(Method):
     def phases(self, num_steps, cfg):
         if not self.hparams.alternating:
             return [Phase('joint', num_steps)]
-        first = int(round(self.hparams.routed_fraction * num_steps))
-        return [Phase('routed', first, lambda n: parameter_kind(n) != SHARED),
-                Phase('shared', num_steps - first, lambda n: parameter_kind(n) == SHARED)]
+        if self.hparams.phase_steps == 'each':
+            routed_steps, shared_steps = num_steps, num_steps
+        else:
+            routed_steps = int(round(self.hparams.routed_fraction * num_steps))
+            shared_steps = num_steps - routed_steps
+        return [Phase('routed', routed_steps, lambda n: parameter_kind(n) != SHARED),
+                Phase('shared', shared_steps, lambda n: parameter_kind(n) == SHARED)]

@@ -40,7 +40,7 @@ def available() -> list[str]:
 
 def _load_builder_modules() -> None:
     # imported here, not at module top: these modules register builders through this one
-    from fs_plugins.models import easyvqa_llava, vision_language  # noqa: F401
+    from fs_plugins.models import easyvqa_llava, olmo, vision_language  # noqa: F401
 
 
 def _looks_local(path: str) -> bool:
@@ -113,16 +113,19 @@ def load_smollm2(cfg, path: str) -> LoadedBase:
 @register_builder('tiny_olmoe')
 def load_tiny_olmoe(cfg, path: str) -> LoadedBase:
     """A tiny random OLMoE (sparse MoE) built locally; `path` '' or 'tiny-olmoe' uses the cache."""
-    from fs_plugins.models.olmoe import ensure_tiny_olmoe
-    return load_causal_lm(cfg, ensure_tiny_olmoe(None if path in ('', 'tiny-olmoe') else path))
+    from fs_plugins.models.olmoe import ensure_tiny_olmoe, prepare_olmoe
+    base = load_causal_lm(cfg, ensure_tiny_olmoe(None if path in ('', 'tiny-olmoe') else path))
+    prepare_olmoe(base.model, cfg.fsplug.model.lora.target_parameters)  # separate gate/up if targeted
+    return base
 
 
 @register_builder('olmoe')
 def load_olmoe(cfg, path: str) -> LoadedBase:
     """OlmoeForCausalLM (e.g. allenai/OLMoE-1B-7B-0924) from a local directory or hub id."""
-    from fs_plugins.models.olmoe import check_olmoe
+    from fs_plugins.models.olmoe import check_olmoe, prepare_olmoe
     base = load_causal_lm(cfg, path)
     check_olmoe(base.model, path)
+    prepare_olmoe(base.model, cfg.fsplug.model.lora.target_parameters)  # separate gate/up if targeted
     return base
 
 
@@ -154,18 +157,33 @@ def adapter_config(model_cfg, seed: int):
     return ADAPTERS[model_cfg.adapter](model_cfg, seed)
 
 
-def scoped_targets(targets, scope: str | None):
-    """peft target_modules limited to modules under `scope` (a regex peft full-matches)."""
-    if scope is None:
+def scoped_targets(targets, scope: str | None, tower_targets=(), tower: str | None = None):
+    """peft target_modules: `targets` limited to modules under `scope`, plus `tower_targets`
+    under `tower` (a regex peft full-matches); `targets` as they are without a scope."""
+    def under(fragment, names):
+        return rf".*{re.escape(fragment)}.*\.({'|'.join(re.escape(t) for t in names)})"
+    if scope is None and not tower_targets:
         return list(targets)
-    return rf".*{re.escape(scope)}.*\.({'|'.join(re.escape(t) for t in targets)})"
+    parts = [under(scope, targets) if scope is not None
+             else rf".*\.({'|'.join(re.escape(t) for t in targets)})"]
+    if tower_targets:
+        parts.append(under(tower, tower_targets))
+    return parts[0] if len(parts) == 1 else '|'.join(f'(?:{p})' for p in parts)
 
 
-def inject_adapter(model: torch.nn.Module, model_cfg, seed: int,
-                   scope: str | None = None) -> torch.nn.Module:
+def inject_adapter(model: torch.nn.Module, model_cfg, seed: int, base: LoadedBase | None = None):
+    """peft's adapter on fsplug.model.lora's targets (the language model's modules in a
+    vision-language model, plus fsplug.model.vision.tower_lora_targets in its vision tower)."""
     from peft import get_peft_model
     config = adapter_config(model_cfg, seed)
-    config.target_modules = scoped_targets(model_cfg.lora.target_modules, scope)
+    tower_targets = list(model_cfg.vision.tower_lora_targets)
+    tower = base.trainable_switches.get('train_tower') if base is not None else None
+    if tower_targets and tower is None:
+        raise ConfigError(f"fsplug.model.vision.tower_lora_targets = {tower_targets}: builder "
+                          f"'{model_cfg.builder}' has no vision tower")
+    config.target_modules = scoped_targets(model_cfg.lora.target_modules,
+                                           base.lora_scope if base is not None else None,
+                                           tower_targets, tower)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -173,6 +191,7 @@ def inject_adapter(model: torch.nn.Module, model_cfg, seed: int,
         except ValueError as exc:
             raise ConfigError(f"fsplug.model.lora.target_modules = {list(model_cfg.lora.target_modules)}"
                               f" / target_parameters = {list(model_cfg.lora.target_parameters)}"
+                              f" / vision.tower_lora_targets = {tower_targets}"
                               f" does not match the model: {exc}") from exc
 
 
@@ -221,8 +240,7 @@ def build_model(cfg, method) -> BuiltModel:
     base = _BUILDERS[builder_name](cfg, path)
     for param in base.model.parameters():
         param.requires_grad_(False)
-    model = inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'),
-                           base.lora_scope)
+    model = inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'), base)
     unfreeze_switched_modules(model, base, cfg.fsplug.model.vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))

@@ -4,7 +4,16 @@ demo, random ones of any size for benchmarks, and a check for real checkpoints.
 In transformers 5 an OLMoE MoE block (`mlp`) is a router `mlp.gate` (OlmoeTopKRouter, plain
 `weight` parameter, `top_k` attribute read at every forward) and fused experts `mlp.experts`
 with 3-D parameters `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]. LoRA reaches every
-expert through peft's `target_parameters` (see EXPERT_LORA_PARAMETERS)."""
+expert through peft's `target_parameters` (see EXPERT_LORA_PARAMETERS).
+
+FLAME's placement (paper Table 1: separate LoRA on the gate, up and down projection of every
+expert, PAPER_EXPERT_LORA_PARAMETERS) needs the fused `gate_up_proj` split: one LoRA on the
+fused [E, 2I, H] tensor shares lora_A between gate and up, which is not two LoRAs.
+`split_expert_gate_up` turns every OLMoE experts module into one with separate `gate_proj`
+and `up_proj` parameters [E, I, H] and a read-only `gate_up_proj` (their concatenation along
+dim 1), so transformers' forwards (eager, batched, grouped) run unchanged and peft wraps each
+projection on its own. The OLMoE builders split when the LoRA targets name gate or up
+(`split_wanted`)."""
 from __future__ import annotations
 
 import os
@@ -16,8 +25,14 @@ import torch
 from fs_plugins.models.cache import cache_dir
 from fs_plugins.models.tiny import build_tokenizer
 
-# fsplug.model.lora.target_parameters for LoRA on every expert of every MoE layer
+# fsplug.model.lora.target_parameters for LoRA on every expert of every MoE layer (fused gate/up)
 EXPERT_LORA_PARAMETERS = ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']
+# the paper's placement (Table 1 / A1.2): gate, up and down of every expert, each its own LoRA,
+# plus attention (target_modules)
+PAPER_EXPERT_LORA_PARAMETERS = ['mlp.experts.gate_proj', 'mlp.experts.up_proj',
+                                'mlp.experts.down_proj']
+PAPER_ATTENTION_LORA_MODULES = ['q_proj', 'k_proj', 'v_proj', 'o_proj']
+SPLIT_NAMES = ('gate_proj', 'up_proj')
 
 # top-8 of 16 experts, so FLAME's budget levels k_i = 8, 4, 2, 1 all apply
 TINY_OLMOE_CONFIG = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -75,3 +90,89 @@ def check_olmoe(model, path: str) -> None:
     if getattr(model.config, 'model_type', None) != 'olmoe':
         raise ValueError(f"fsplug.model.builder = 'olmoe' needs an OLMoE checkpoint; '{path}' "
                          f"(model.type) is a '{getattr(model.config, 'model_type', '?')}' model")
+
+
+# ------------------------------------------------------------ separate gate / up expert tensors
+def split_wanted(target_parameters) -> bool:
+    """Whether LoRA targets (fsplug.model.lora.target_parameters) name the experts' separate
+    gate or up projection ('mlp.experts.gate_proj', '….experts.up_proj')."""
+    return any(str(t).rsplit('.', 2)[-2:] in (['experts', n] for n in SPLIT_NAMES)
+               for t in target_parameters)
+
+
+def _gate_up_proj(self) -> torch.Tensor:
+    # [E, 2I, H]: what transformers' expert forwards read; built from the (possibly
+    # peft-parametrised) separate tensors at every access
+    return torch.cat((self.gate_proj, self.up_proj), dim=1)
+
+
+_SPLIT_CLASSES: dict[type, type] = {}
+
+
+def _split_class(cls: type) -> type:
+    if cls not in _SPLIT_CLASSES:
+        _SPLIT_CLASSES[cls] = type(f'SplitGateUp{cls.__name__}', (cls,),
+                                   {'gate_up_proj': property(_gate_up_proj),
+                                    '__module__': __name__})
+    return _SPLIT_CLASSES[cls]
+
+
+def split_expert_gate_up(model: torch.nn.Module) -> int:
+    """Replaces every fused experts module's `gate_up_proj` [E, 2I, H] by separate
+    `gate_proj` and `up_proj` parameters [E, I, H] (same values, same dtype and device) and a
+    read-only `gate_up_proj` property; returns how many modules were split. Call before peft."""
+    count = 0
+    for module in list(model.modules()):
+        fused = module._parameters.get('gate_up_proj')
+        if fused is None or fused.dim() != 3 or getattr(module, 'is_transposed', False):
+            continue
+        if not getattr(module, 'is_concatenated', True) or fused.shape[1] % 2:
+            raise ValueError(f'{type(module).__name__}: gate_up_proj {tuple(fused.shape)} is not '
+                             f'a concatenated [gate; up] layout')
+        width = fused.shape[1] // 2
+        gate = torch.nn.Parameter(fused.data[:, :width].clone(), requires_grad=fused.requires_grad)
+        up = torch.nn.Parameter(fused.data[:, width:].clone(), requires_grad=fused.requires_grad)
+        del module._parameters['gate_up_proj']
+        module.__class__ = _split_class(type(module))
+        module.register_parameter('gate_proj', gate)
+        module.register_parameter('up_proj', up)
+        count += 1
+    return count
+
+
+def prepare_olmoe(model: torch.nn.Module, target_parameters) -> torch.nn.Module:
+    """What the OLMoE builders do after loading: split gate/up when the LoRA targets ask."""
+    if split_wanted(target_parameters):
+        if not split_expert_gate_up(model):
+            raise ValueError('fsplug.model.lora.target_parameters names experts.gate_proj / '
+                             'up_proj but the model has no fused gate_up_proj to split')
+    return model
+
+
+def _total_and_active(model: torch.nn.Module, top_k: int, selected) -> tuple[int, int]:
+    from fs_plugins.tuners.flame.routing import moe_blocks, router_of
+    experts = {name: int(router_of(m).num_experts) for name, m in moe_blocks(model)}
+    total = active = 0
+    for name, param in model.named_parameters():
+        if not selected(name, param):
+            continue
+        total += param.numel()
+        block = name.split('.experts.')[0] if '.experts.' in name else None
+        if block in experts:    # E experts stacked: k of them run per token
+            active += param.numel() * min(top_k, experts[block]) // experts[block]
+        else:
+            active += param.numel()
+    return total, active
+
+
+def lora_parameter_counts(model: torch.nn.Module, top_k: int) -> tuple[int, int]:
+    """(total, active) trainable LoRA parameters of a peft model (paper Table 1's P̂ and P̂_a):
+    a fused expert factor (E experts' factors stacked, peft target_parameters) counts k/E of
+    its elements as active — k experts are selected per token; every other LoRA factor is
+    always active. Works on a model built on the meta device."""
+    return _total_and_active(model, top_k, lambda n, p: p.requires_grad and 'lora_' in n)
+
+
+def base_parameter_counts(model: torch.nn.Module, top_k: int) -> tuple[int, int]:
+    """(total, active) frozen base parameters (Table 1's P and P_a), experts counted as above."""
+    return _total_and_active(model, top_k, lambda n, p: 'lora_' not in n)
