@@ -10,6 +10,8 @@ import math
 import os
 from collections import defaultdict
 
+from typing import Callable, Optional
+
 import torch
 
 SUMMARY_COLUMNS = ('samples', 'bytes_up', 'bytes_down')
@@ -33,6 +35,9 @@ class ResultsLog:
         with open(os.path.join(out_dir, 'run_info.json'), 'w', encoding='utf-8') as handle:
             json.dump(run_info, handle, indent=2, default=str)
         self.client_names: dict[int, str] = dict(run_info.get('client_names', {}))
+        # the method's `client_groups(client_ids) -> {label: [client ids]}` (e.g. FLAME's
+        # budget levels): the summary gets one row per group, the mean over its clients
+        self.client_groups: Optional[Callable[[list[int]], dict[str, list[int]]]] = None
 
     def log(self, row: dict) -> None:
         row = {k: (float(v) if isinstance(v, float) else v) for k, v in row.items()}
@@ -60,7 +65,8 @@ class ResultsLog:
 
     # ------------------------------------------------------------------ summary
     def final_rows(self) -> tuple[list[str], list[dict]]:
-        """One row per client: its last evaluation plus its totals; then the average."""
+        """One row per client: its last evaluation plus its totals; then one row per client
+        group (`client_groups`, the mean over its clients); then the average over clients."""
         totals: dict[int, dict] = defaultdict(lambda: dict.fromkeys(SUMMARY_COLUMNS, 0))
         last_eval: dict[int, dict] = {}
         for row in self.rows:
@@ -80,13 +86,18 @@ class ResultsLog:
             entry.update({k: last_eval.get(cid, {}).get(k, float('nan')) for k in metric_cols})
             entry.update(totals[cid])
             table.append(entry)
+        columns = metric_cols + list(SUMMARY_COLUMNS)
+        groups = self.client_groups(clients) if self.client_groups is not None and clients else {}
+        for label, members in groups.items():
+            rows = [r for cid, r in zip(clients, table) if cid in set(members)]
+            if rows:
+                who = (f"clients {', '.join(map(str, members))}" if len(members) <= 6
+                       else f'{len(members)} clients')
+                table.append({'client': f'{label}: mean of {who}', 'eval_round': '',
+                              **_column_means(rows, columns)})
         if table:
-            avg = {'client': 'average', 'eval_round': ''}
-            for key in metric_cols + list(SUMMARY_COLUMNS):
-                values = [r[key] for r in table if isinstance(r[key], (int, float))
-                          and not (isinstance(r[key], float) and math.isnan(r[key]))]
-                avg[key] = sum(values) / len(values) if values else float('nan')
-            table.append(avg)
+            per_client = table[:len(clients)]
+            table.append({'client': 'average', 'eval_round': '', **_column_means(per_client, columns)})
         return ['client', 'eval_round'] + metric_cols + list(SUMMARY_COLUMNS), table
 
     def client_label(self, cid: int) -> str:
@@ -108,6 +119,16 @@ class ResultsLog:
         if not self._jsonl.closed:
             self._jsonl.close()
         return summary
+
+
+def _column_means(rows: list[dict], columns) -> dict:
+    """Mean of each column over `rows`, ignoring non-numbers and NaN."""
+    means = {}
+    for key in columns:
+        values = [r[key] for r in rows if isinstance(r[key], (int, float))
+                  and not (isinstance(r[key], float) and math.isnan(r[key]))]
+        means[key] = sum(values) / len(values) if values else float('nan')
+    return means
 
 
 def _fmt(value) -> str:

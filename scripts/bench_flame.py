@@ -1,5 +1,11 @@
 """FLAME's compute claims, measured.
 
+[0] Trainable LoRA parameters per budget level (paper Table 1 / A1), counted on peft models
+    built on the meta device at full size (no weights, no RAM): OLMoE-1B-7B with the paper's
+    placement (separate LoRA on gate, up and down of every expert + q, k, v, o) — FLAME r = 20
+    at k = 8, 4, 2, 1; HLoRA / FlexLoRA r = 20, 12, 8, 6 at k = 8 — and the dense OLMo-1B with
+    LoRA on every linear layer at r = 40, 24, 16, 12. Total P̂ and active P̂_a (expert factors
+    count k/E), next to Table 1's numbers.
 [1] FLOPs of one forward of 128 tokens (batch 1) on OLMoE-1B-7B's dimensions for k = 8, 4, 2, 1
     active experts, without weights: an analytic matmul count, checked first against
     torch.utils.flop_counter on a small random OLMoE (eager experts, so only routed tokens
@@ -10,7 +16,7 @@
     k = 8 with the LoRA rank cut from 20 to 6 (HLoRA's largest reduction), median over
     interleaved repeats.
 
-python scripts/bench_flame.py [--threads 1] [--repeats 5]
+python scripts/bench_flame.py [--threads 1] [--repeats 5] [--skip-steps] [--only-params]
 """
 from __future__ import annotations
 
@@ -20,9 +26,22 @@ import time
 
 import torch
 
-from fs_plugins.models.olmoe import EXPERT_LORA_PARAMETERS, OLMOE_1B_7B_DIMS, random_olmoe
+from fs_plugins.models.olmo import DENSE_LORA_MODULES, OLMO_1B_DIMS, random_olmo
+from fs_plugins.models.olmoe import (EXPERT_LORA_PARAMETERS, OLMOE_1B_7B_DIMS,
+                                     PAPER_ATTENTION_LORA_MODULES, PAPER_EXPERT_LORA_PARAMETERS,
+                                     base_parameter_counts, lora_parameter_counts, random_olmoe,
+                                     split_expert_gate_up)
 
 PAPER = {8: 342.8e9, 1: 158.0e9}
+# Table 1 / A1: (P_a, P) in B and (P̂_a, P̂) in M per budget level β1..β4
+TABLE1 = {
+    'FLAME (OLMoE) r=20': {8: ((1.3, 6.9), (30, 198)), 4: ((0.9, 6.9), (18, 198)),
+                           2: ((0.7, 6.9), (12, 198)), 1: ((0.6, 6.9), (9, 198))},
+    'HLoRA/FlexLoRA (OLMoE) k=8': {20: ((1.3, 6.9), (30, 198)), 12: ((1.3, 6.9), (18, 118)),
+                                   8: ((1.3, 6.9), (12, 78)), 6: ((1.3, 6.9), (9, 58))},
+    'HLoRA/FlexLoRA (OLMo-1B dense)': {40: ((1.3, 1.3), (30, 30)), 24: ((1.3, 1.3), (18, 18)),
+                                       16: ((1.3, 1.3), (12, 12)), 12: ((1.3, 1.3), (9, 9))},
+}
 CHECK_DIMS = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=32, num_attention_heads=4,
                   num_key_value_heads=2, num_experts=16, num_experts_per_tok=8, vocab_size=300)
 MID_DIMS = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=256,
@@ -72,6 +91,48 @@ def flop_table(tokens: int) -> None:
         paper = f'   paper {PAPER[k] / 1e9:.1f} B' if k in PAPER else ''
         print(f'    k={k}: {flops / 1e9:7.1f} B  ratio to k=8 {flops / full[8]:.3f}{paper}')
     print(f'    paper k=1/k=8: {PAPER[1] / PAPER[8]:.3f}')
+
+
+def meta_peft_model(dense: bool, rank: int, router: bool = False):
+    """A peft model at full OLMoE-1B-7B / OLMo-1B size on the meta device (shapes only);
+    `router`: LoRA on the routers too (not the paper's stated placement; printed for comparison)."""
+    from peft import LoraConfig, get_peft_model
+    with torch.device('meta'):
+        model = random_olmo(**OLMO_1B_DIMS) if dense else random_olmoe(**OLMOE_1B_7B_DIMS)
+    if dense:
+        config = LoraConfig(r=rank, lora_alpha=16, target_modules=DENSE_LORA_MODULES)
+    else:
+        split_expert_gate_up(model)
+        config = LoraConfig(r=rank, lora_alpha=16, target_modules=PAPER_ATTENTION_LORA_MODULES,
+                            target_parameters=PAPER_EXPERT_LORA_PARAMETERS
+                            + (['mlp.gate.weight'] if router else []))
+    return get_peft_model(model, config)
+
+
+def param_table() -> None:
+    print('[0] parameters per budget level (paper placement; meta-device models at full size)')
+    print(f'    {"setting":40s} {"β":>2s}  {"P_a / P (B)":>13s}  {"paper":>9s}   '
+          f'{"P̂_a / P̂ (M)":>15s}  {"paper":>9s}')
+    rows = []
+    flame = meta_peft_model(False, 20)
+    for level, k in enumerate((8, 4, 2, 1), start=1):
+        rows.append(('FLAME (OLMoE) r=20', f'k={k}', level, flame, k, TABLE1['FLAME (OLMoE) r=20'][k]))
+    routed = meta_peft_model(False, 20, router=True)
+    for level, k in enumerate((8, 4, 2, 1), start=1):
+        rows.append(('FLAME (OLMoE) r=20 +router LoRA', f'k={k}', level, routed, k,
+                     TABLE1['FLAME (OLMoE) r=20'][k]))
+    for level, r in enumerate((20, 12, 8, 6), start=1):
+        rows.append(('HLoRA/FlexLoRA (OLMoE) k=8', f'r={r}', level, meta_peft_model(False, r), 8,
+                     TABLE1['HLoRA/FlexLoRA (OLMoE) k=8'][r]))
+    for level, r in enumerate((40, 24, 16, 12), start=1):
+        rows.append(('HLoRA/FlexLoRA (OLMo-1B dense)', f'r={r}', level, meta_peft_model(True, r), 8,
+                     TABLE1['HLoRA/FlexLoRA (OLMo-1B dense)'][r]))
+    for name, knob, level, model, k, (paper_base, paper_lora) in rows:
+        base, base_active = base_parameter_counts(model, k)
+        lora, lora_active = lora_parameter_counts(model, k)
+        print(f'    {name + " " + knob:40s} β{level}  {base_active / 1e9:5.2f} / {base / 1e9:5.2f}  '
+              f'{paper_base[0]:>3} / {paper_base[1]:<3}   {lora_active / 1e6:6.2f} / {lora / 1e6:6.2f}  '
+              f'{paper_lora[0]:>3} / {paper_lora[1]:<3}')
 
 
 def lora_model(rank: int):
@@ -137,10 +198,15 @@ def main():
     parser.add_argument('--tokens', type=int, default=128)
     parser.add_argument('--batch', type=int, default=16,
                         help='sequences per training step (16: the paper\'s batch size)')
-    parser.add_argument('--skip-steps', action='store_true', help='only the FLOP table')
+    parser.add_argument('--skip-steps', action='store_true', help='no step timing ([2])')
+    parser.add_argument('--only-params', action='store_true', help='only the parameter table ([0])')
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    param_table()
+    if args.only_params:
+        return
+    print()
     flop_table(args.tokens)
     if not args.skip_steps:
         step_table(args.tokens, args.batch, args.repeats)

@@ -1,9 +1,12 @@
 """FLAME's activation-aware aggregation of expert LoRA factors, as pure functions.
 
-Client i trained S_i local steps on |D_i| samples; expert j of an MoE layer was selected for at
-least one token in a_i^j of those steps. The server weighs client i on expert j by
+Client i trained on |D_i| samples; f_i^j = a_i^j / S_i ∈ [0, 1] is how often expert j of an MoE
+layer was activated there (paper §3, Eq. 6), from per-expert counts and a total
+(`activation_frequency`): routed token slots of expert j / all routed token slots
+(non-padding tokens × k_i), or activated steps / local steps S_i. The server weighs client i
+on expert j by
 
-    γ_i^j = (a_i^j / S_i)^t · |D_i|,      p_i^j = γ_i^j / Σ_l γ_l^j
+    γ_i^j = (f_i^j)^t · |D_i|,      p_i^j = γ_i^j / Σ_l γ_l^j          (Eq. 6, 7)
 
 (temperature t; t = 0 gives FedAvg's p_i = |D_i| / Σ|D_l|). An expert that no client of the
 round activated keeps its previous global value.
@@ -19,39 +22,56 @@ import torch
 from fs_plugins.aggregation.average import weighted_average
 from fs_plugins.aggregation.experts import block_of, is_expert_factor, merge_experts, split_experts
 
-__all__ = ['activation_aware_weights', 'split_experts', 'merge_experts',
-           'aggregate_expert_factor', 'activation_aware_average']
+__all__ = ['activation_frequency', 'activation_aware_weights', 'frequency_summary',
+           'split_experts', 'merge_experts', 'aggregate_expert_factor', 'activation_aware_average']
 
 
-def activation_aware_weights(counts, steps, sizes, temperature: float) -> torch.Tensor:
-    """(K × E) float64 weights p_i^j = γ_i^j / Σ_l γ_l^j with γ_i^j = (a_i^j / S_i)^t · |D_i|.
-
-    counts: (K × E) activated-step counts a_i^j; steps: (K,) local steps S_i; sizes: (K,)
-    dataset sizes |D_i|. Columns sum to 1 for every expert some client activated; the column
-    of an expert no client activated is all zero (for every t, so the caller keeps its previous
-    value). A client with S_i = 0 has activation frequency 0."""
+def activation_frequency(counts, totals) -> torch.Tensor:
+    """(K × E) float64 frequencies f_i^j = a_i^j / S_i from (K × E) counts and (K,) totals
+    (a (E,) count vector with a scalar total is one client). Each count must lie in [0, total];
+    a client with total 0 has frequency 0."""
     counts = torch.as_tensor(counts, dtype=torch.float64)
-    steps = torch.as_tensor(steps, dtype=torch.float64).reshape(-1)
-    sizes = torch.as_tensor(sizes, dtype=torch.float64).reshape(-1)
+    if counts.dim() == 1:
+        counts = counts[None]
+    totals = torch.as_tensor(totals, dtype=torch.float64).reshape(-1)
     if counts.dim() != 2:
         raise ValueError(f'counts must be (clients × experts), got shape {tuple(counts.shape)}')
-    clients = counts.shape[0]
-    if steps.numel() != clients or sizes.numel() != clients:
-        raise ValueError(f'counts has {clients} clients but steps has {steps.numel()} and sizes '
-                         f'{sizes.numel()} entries')
-    if (counts < 0).any() or (steps < 0).any() or (sizes < 0).any():
-        raise ValueError('counts, steps and sizes must be non-negative')
-    if (counts > steps[:, None]).any():
-        bad = int(torch.nonzero((counts > steps[:, None]).any(dim=1))[0])
-        raise ValueError(f'client {bad}: an expert count exceeds its {int(steps[bad])} local steps')
-    frequency = torch.where(steps[:, None] > 0, counts / steps.clamp(min=1)[:, None],
-                            torch.zeros_like(counts))
+    if totals.numel() != counts.shape[0]:
+        raise ValueError(f'counts has {counts.shape[0]} clients but totals has {totals.numel()} entries')
+    if (counts < 0).any() or (totals < 0).any():
+        raise ValueError('activation counts and totals must be non-negative')
+    if (counts > totals[:, None]).any():
+        bad = int(torch.nonzero((counts > totals[:, None]).any(dim=1))[0])
+        raise ValueError(f'client {bad}: an expert count exceeds its total {float(totals[bad]):g}')
+    return torch.where(totals[:, None] > 0, counts / totals.clamp(min=1e-300)[:, None],
+                       torch.zeros_like(counts))
+
+
+def activation_aware_weights(frequency, sizes, temperature: float) -> torch.Tensor:
+    """(K × E) float64 weights p_i^j = γ_i^j / Σ_l γ_l^j with γ_i^j = (f_i^j)^t · |D_i|.
+
+    frequency: (K × E) activation frequencies in [0, 1] (`activation_frequency`); sizes: (K,)
+    |D_i|. Columns sum to 1 for every expert some client activated; the column of an expert no
+    client activated is all zero (for every t, so the caller keeps its previous value)."""
+    frequency = torch.as_tensor(frequency, dtype=torch.float64)
+    sizes = torch.as_tensor(sizes, dtype=torch.float64).reshape(-1)
+    if frequency.dim() != 2:
+        raise ValueError(f'frequency must be (clients × experts), got shape {tuple(frequency.shape)}')
+    if sizes.numel() != frequency.shape[0]:
+        raise ValueError(f'frequency has {frequency.shape[0]} clients but sizes has {sizes.numel()} entries')
+    if (frequency < 0).any() or (frequency > 1).any() or (sizes < 0).any():
+        raise ValueError('frequencies must lie in [0, 1] and sizes be non-negative')
     gamma = frequency.pow(float(temperature)) * sizes[:, None]
-    activated = (counts > 0).any(dim=0)
-    gamma = gamma * activated[None, :]
+    gamma = gamma * (frequency > 0).any(dim=0)[None, :]
     total = gamma.sum(dim=0)
     return torch.where(total > 0, gamma / total.clamp(min=torch.finfo(torch.float64).tiny),
                        torch.zeros_like(gamma))
+
+
+def frequency_summary(frequency) -> tuple[float, float, float]:
+    """(min, median, max) of one MoE layer's (E,) activation frequencies."""
+    frequency = torch.as_tensor(frequency, dtype=torch.float64).reshape(-1)
+    return float(frequency.min()), float(frequency.median()), float(frequency.max())
 
 
 def aggregate_expert_factor(key: str, client_tensors: Sequence[torch.Tensor],
@@ -83,14 +103,15 @@ def aggregate_expert_factor(key: str, client_tensors: Sequence[torch.Tensor],
 
 
 def activation_aware_average(previous: dict, states: Sequence[dict], sizes: Sequence[float],
-                             steps: Sequence[float], counts: Sequence[dict],
+                             counts: Sequence[dict], totals: Sequence[dict],
                              temperature: float) -> dict:
     """FLAME's server step as a pure function: every fused expert factor the clients share is
     averaged expert by expert with `activation_aware_weights` (experts no client activated
-    keep `previous`); every other shared tensor is sample-weighted FedAvg.
+    keep `previous`); every other shared tensor is weighted FedAvg with `sizes`.
 
-    states: the clients' shared tensors; counts: per client {MoE block: (E,) activated-step
-    counts}; steps: local steps S_i; sizes: |D_i|. Returns the merged tensors."""
+    states: the clients' shared tensors; counts / totals: per client {MoE block: (E,) counts}
+    and {MoE block: () total} (`activation_frequency`); sizes: |D_i| (the FedAvg weights).
+    Returns the merged tensors."""
     shared = set.intersection(*(set(s) for s in states))
     merged = weighted_average([{k: v for k, v in s.items() if not is_expert_factor(k)}
                                for s in states], sizes)
@@ -98,12 +119,15 @@ def activation_aware_average(previous: dict, states: Sequence[dict], sizes: Sequ
     for key in sorted(k for k in shared if is_expert_factor(k)):
         block = block_of(key)
         if block not in weights:
-            missing = [i for i, c in enumerate(counts) if block not in c]
+            missing = [i for i, (c, t) in enumerate(zip(counts, totals))
+                       if block not in c or block not in t]
             if missing:
                 raise KeyError(f"'{key}': client(s) {missing} sent no activation counts for "
                                f"MoE block '{block}'")
-            weights[block] = activation_aware_weights(torch.stack([c[block] for c in counts]),
-                                                      steps, sizes, temperature)
+            frequency = activation_frequency(
+                torch.stack([torch.as_tensor(c[block], dtype=torch.float64) for c in counts]),
+                torch.tensor([float(t[block]) for t in totals], dtype=torch.float64))
+            weights[block] = activation_aware_weights(frequency, sizes, temperature)
         merged[key] = aggregate_expert_factor(key, [s[key] for s in states], weights[block],
                                               previous.get(key))
     return merged

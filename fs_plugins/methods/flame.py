@@ -4,33 +4,46 @@ Every client trains the full-rank LoRA of every expert (peft `target_parameters`
 expert tensors, fsplug.model.lora.target_parameters) but its router selects only k_i experts
 per token (`fsplug.flame.top_k` from --client_cfg, else the budget level the server assigns
 round-robin by client id from `budget_levels`). Each MoE block's output is multiplied by the
-client-local rescaler (tuners.flame.rescaler). Each client counts, per layer and expert, the
-local steps in which the expert was selected for at least one non-padding token
-(tuners.flame.routing) and sends the counts beside its update; the server averages each
-expert's LoRA slices with activation-aware weights and every other shared tensor with FedAvg
+client-local rescaler (tuners.flame.rescaler). Each client counts, per layer and expert, how
+often the expert was selected in local training (tuners.flame.routing; `fsplug.flame.activation`:
+its share of the routed token slots, or the steps it was selected in) and sends the counts and
+their total beside its update; the server averages each expert's LoRA slices with
+activation-aware weights and every other shared tensor with FedAvg
 (aggregation.activation.activation_aware_average).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from statistics import mean
 
 import torch
 
-from fs_plugins.aggregation.activation import activation_aware_average
+from fs_plugins.aggregation.activation import (activation_aware_average, activation_frequency,
+                                               frequency_summary)
 from fs_plugins.errors import ConfigError
 from fs_plugins.methods.base import Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
-from fs_plugins.tuners.flame import (RESCALE_MODES, RESCALE_NAME, RoutingTracker, install_rescaler,
-                                     moe_blocks, set_static_scale)
+from fs_plugins.tuners.flame import (ACTIVATION_READINGS, RESCALE_MODES, RESCALE_NAME,
+                                     RoutingTracker, install_rescaler, moe_blocks, set_static_scale)
 
-COUNTS_PREFIX = 'flame.counts.'       # + MoE block name: (E,) activated-step counts
-STEPS_KEY = 'flame.steps'             # local steps S_i of the round
+logger = logging.getLogger(__name__)
+
+COUNTS_PREFIX = 'flame.counts.'       # + MoE block name: (E,) activation counts a_i^j (float64)
+TOTALS_PREFIX = 'flame.total.'        # + MoE block name: () their total S_i (float64)
+STEPS_KEY = 'flame.steps'             # local steps of the round
 DEFAULT_TOP_K_KEY = 'flame.top_k'     # server -> client: the budget level assigned by id
+METRICS_KEY = 'flame_metrics'         # client state: this round's a/S summary (client_metrics)
 
 
 class ExpertRoutingMethod(Method):
     """Installs the routing tracker and sends activation counts (every MoE method here)."""
+
+    @property
+    def activation(self) -> str:
+        """Which reading of the activation frequency is sent ('token' unless configured)."""
+        return getattr(self.hparams, 'activation', 'token')
 
     def adapt_model(self, model, cfg):
         blocks = moe_blocks(model)
@@ -52,10 +65,23 @@ class ExpertRoutingMethod(Method):
         state['routing'].end_step()
 
     def client_extra(self, model, state):
-        counts, steps = state['routing'].take_round()
+        round_ = state['routing'].take_round()
+        counts, totals = round_.reading(self.activation)
         payload = {COUNTS_PREFIX + block: value for block, value in counts.items()}
-        payload[STEPS_KEY] = torch.tensor(float(steps))
+        payload.update({TOTALS_PREFIX + block: value for block, value in totals.items()})
+        payload[STEPS_KEY] = torch.tensor(float(round_.steps))
+        summary = [frequency_summary(activation_frequency(counts[b], totals[b])) for b in counts]
+        state[METRICS_KEY] = {
+            'flame_freq_min': mean(s[0] for s in summary),
+            'flame_freq_median': mean(s[1] for s in summary),
+            'flame_freq_max': mean(s[2] for s in summary),
+            'flame_top_k': float(state['routing'].top_k)}
         return payload
+
+    def client_metrics(self, model, state) -> dict[str, float]:
+        """This round's activation-frequency summary (min / median / max over the experts of a
+        layer, averaged over the MoE layers) and k_i; set by `client_extra`."""
+        return dict(state.get(METRICS_KEY, {}))
 
 
 def counts_of(update) -> dict[str, torch.Tensor]:
@@ -63,13 +89,34 @@ def counts_of(update) -> dict[str, torch.Tensor]:
     return {k[len(COUNTS_PREFIX):]: v for k, v in update.extra.items() if k.startswith(COUNTS_PREFIX)}
 
 
+def totals_of(update) -> dict[str, torch.Tensor]:
+    """{MoE block: () total of the counts} from one client's payload."""
+    return {k[len(TOTALS_PREFIX):]: v for k, v in update.extra.items() if k.startswith(TOTALS_PREFIX)}
+
+
 def experts_per_block(updates) -> dict[str, int]:
     """{MoE block name: E} from the clients' activation-count payloads."""
     return {block: int(v.numel()) for u in updates for block, v in counts_of(u).items()}
 
 
+def log_activation(update, reading: str) -> None:
+    """One line per client and round: min / median / max of a/S over each MoE layer's experts."""
+    counts, totals = counts_of(update), totals_of(update)
+    parts = []
+    for block in counts:
+        low, mid, high = frequency_summary(activation_frequency(counts[block], totals[block]))
+        parts.append(f'{block.rsplit("layers.", 1)[-1]}: {low:.3f}/{mid:.3f}/{high:.3f}')
+    logger.info(f'FLAME client {update.client_id}: activation frequency a/S ({reading}) '
+                f'min/median/max per MoE layer: ' + ', '.join(parts))
+
+
 @dataclass
 class FlameConfig:
+    activation: str = option('token', 'activation frequency a/S of Eq. 6 (paper §3): token = expert '
+                                      "j's share of the client's routed token slots (non-padding "
+                                      'tokens × k_i) over the round; step = steps in which j was '
+                                      'selected for some token / S_i (saturates at 1 with large '
+                                      'batches, then Eq. 6 is FedAvg)', choices=ACTIVATION_READINGS)
     temperature: float = option(2.0, 'temperature t of γ = (a/S)^t · |D| (paper Eq. 6; 0 = FedAvg; '
                                      'the paper finds t = 2..4 best, §5 Figure 3)', ge=0)
     rescale: str = option('learnable', 'rescaler s_i: learnable scalar (init 1), static k/k_i, or '
@@ -90,7 +137,7 @@ class Flame(ExpertRoutingMethod):
                'target_parameters), client i routes to k_i experts (training and evaluation), a '
                'client-local rescaler on the MoE output, activation-aware aggregation γ_i^j = '
                '(a_i^j/S_i)^t·|D_i| per expert; an expert nobody activated keeps its global value')
-    sent = 'A, B + per-layer activated-step counts / A, B + k_i'
+    sent = 'A, B + per-layer expert activation counts and their total / A, B + k_i'
     config_class = FlameConfig
 
     # ------------------------------------------------------------------ client
@@ -123,9 +170,11 @@ class Flame(ExpertRoutingMethod):
 
     # ------------------------------------------------------------------ server
     def aggregate(self, server_state, updates):
+        for update in updates:
+            log_activation(update, self.activation)
         merged = activation_aware_average(
             server_state['global'], [u.shared for u in updates], weights_of(updates),
-            [float(u.extra[STEPS_KEY]) for u in updates], [counts_of(u) for u in updates],
+            [counts_of(u) for u in updates], [totals_of(u) for u in updates],
             self.hparams.temperature)
         return {**server_state, 'global': {**server_state['global'], **merged}}
 
@@ -133,3 +182,15 @@ class Flame(ExpertRoutingMethod):
         levels = self.hparams.budget_levels
         level = levels[(int(client_id) - 1) % len(levels)]
         return {**server_state['global'], DEFAULT_TOP_K_KEY: torch.tensor(level)}
+
+    def client_groups(self, client_ids) -> dict[str, list[int]]:
+        """Clients by budget level, as the server assigns them (paper Tables 2-3 report β1..βn):
+        {'β1 (k=8)': [1, 5, …], …}. A client's own fsplug.flame.top_k is not reflected here
+        (its actual k_i is the 'flame_top_k' train metric)."""
+        levels = self.hparams.budget_levels
+        groups = {}
+        for index, level in enumerate(levels):
+            members = sorted(int(c) for c in client_ids if (int(c) - 1) % len(levels) == index)
+            if members:
+                groups[f'β{index + 1} (k={level})'] = members
+        return groups

@@ -13,11 +13,17 @@ RESCALE_NAME = 'flame_rescale'
 RESCALE_MODES = ('learnable', 'static', 'none')
 
 
+def _scaled(hidden: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # the scale stays float32 (its gradient is computed against the base-dtype output and
+    # accumulated in float32); the output keeps the base dtype (bf16 stays bf16)
+    return (hidden * scale).to(hidden.dtype)
+
+
 def _rescale_output(module, inputs, output):
     scale = getattr(module, RESCALE_NAME)
     if isinstance(output, tuple):
-        return (output[0] * scale,) + tuple(output[1:])
-    return output * scale
+        return (_scaled(output[0], scale),) + tuple(output[1:])
+    return _scaled(output, scale)
 
 
 def install_rescaler(blocks, mode: str, per_layer: bool = True) -> None:
