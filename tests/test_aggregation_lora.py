@@ -384,8 +384,50 @@ def test_errors_name_the_client(fn):
 @pytest.mark.parametrize('fn', [fed_a2, fed_a2_naive], ids=lambda f: f.__name__)
 def test_fed_a2_rejects_mixed_ranks(fn):
     As, Bs = _clients(2, [4, 2], 10, 8)
-    with pytest.raises(ValueError, match=r'client 1: rank 2'):
+    with pytest.raises(ValueError, match=r'client 1: rank 2.*pad=True'):
         fn(As, Bs, [1, 1])
+
+
+def _naive_padded_fed_a2(As, Bs, weights, lam):
+    """UniFLoW's zero padding (appendix E.4, Table 10) written out: every A_k padded with zero
+    rows and B_k with zero columns to r_max, then Algorithm 1 on the padded factors, with U
+    materialised and an explicit inverse, all in float64."""
+    p = _p(weights)
+    r_max = max(a.shape[0] for a in As)
+    pA = [F.pad(a.double(), (0, 0, 0, r_max - a.shape[0])) for a in As]
+    pB = [F.pad(b.double(), (0, r_max - b.shape[1])) for b in Bs]
+    for a, b, pa, pb in zip(As, Bs, pA, pB):              # padding leaves every update unchanged
+        torch.testing.assert_close(pb @ pa, b.double() @ a.double(), rtol=0, atol=0)
+    A = sum(pk * a for pk, a in zip(p, pA))
+    U = sum(pk * b @ a for pk, a, b in zip(p, pA, pB))
+    return A, U @ A.T @ torch.linalg.inv(A @ A.T + lam * torch.eye(r_max, dtype=torch.float64))
+
+
+@pytest.mark.parametrize('lam', [0.0, 0.1, 1.0])
+@pytest.mark.parametrize('ranks', [[8, 4], [4, 8, 4, 8, 4], [2, 6, 3]])
+def test_fed_a2_pad_mixed_ranks_matches_naive_padding(ranks, lam):
+    for d_in, d_out in SHAPES:
+        for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+            As, Bs = _clients(len(ranks), ranks, d_in, d_out, dtype=dtype, seed=sum(ranks) + d_in)
+            weights = list(range(1, len(ranks) + 1))
+            A, B = fed_a2(As, Bs, weights, lam=lam, pad=True)
+            A_ref, B_ref = _naive_padded_fed_a2(As, Bs, weights, lam)
+            assert A.shape == (max(ranks), d_in) and B.shape == (d_out, max(ranks))
+            assert A.dtype == dtype and B.dtype == dtype
+            assert _rel(A, A_ref) < tol and _rel(B, B_ref) < tol, (ranks, lam, dtype)
+            # the materialising reference agrees, and A is HetLoRA's padded average of the A's
+            assert _rel(B, fed_a2_naive(As, Bs, weights, lam=lam, pad=True)[1]) < tol
+            torch.testing.assert_close(A, hetlora_pad(As, Bs, weights)[0])
+            # a client keeps the first r_k components (hetlora_truncate)
+            A_k, B_k = hetlora_truncate(A, B, min(ranks))
+            assert torch.equal(A_k, A[:min(ranks)]) and torch.equal(B_k, B[:, :min(ranks)])
+
+
+def test_fed_a2_pad_is_a_no_op_for_equal_ranks():
+    As, Bs = _clients(3, 4, 24, 16, seed=8)
+    for lam in (None, 0.0, 1.0):
+        plain, padded = fed_a2(As, Bs, [1, 2, 3], lam=lam), fed_a2(As, Bs, [1, 2, 3], lam=lam, pad=True)
+        assert all(torch.equal(x, y) for x, y in zip(plain, padded))
 
 
 # ------------------------------------------------------------------------------ FedEx residual

@@ -198,9 +198,9 @@ def test_fed_a2_method_passes_the_ridge_through(tmp_path):
     initial = {**{k: torch.zeros_like(v) for k, v in updates[0].shared.items()},
                'm.other.weight': torch.ones(2)}
     results = {}
-    for lam, updates_cfg in ((0.5, {'fsplug': {'fed_a2': {'ridge': 0.5}}}), (0.0, {})):
-        method = direct_method(tmp_path / f'lam{lam}', 'fed_a2', **updates_cfg)
-        assert method.hparams.ridge == (0.5 if lam else None)
+    for lam in (0.5, 0.0):
+        method = direct_method(tmp_path / f'lam{lam}', 'fed_a2', fsplug={'fed_a2': {'ridge': lam}})
+        assert method.hparams.ridge == lam
         state = method.aggregate(method.init_server_state(dict(initial)), updates)
         a_key, b_key, A_ref, B_ref = _naive_fed_a2(updates, lam)
         out = state['global']
@@ -213,7 +213,7 @@ def test_fed_a2_method_passes_the_ridge_through(tmp_path):
         assert torch.equal(out['m.other.weight'], torch.ones(2))
         results[lam] = out[b_key]
     # λ = 0.5 measurably changes B here (the A Aᵀ of this test is well conditioned, so the
-    # default ridge: null means λ = 0)
+    # the default, λ = 1 every round, is tests/test_fed_a2.py's)
     assert float((results[0.5] - results[0.0]).abs().max()) > 1e-2
 
 

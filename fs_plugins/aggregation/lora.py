@@ -16,7 +16,8 @@ Conventions (all functions):
 * Malformed inputs raise ValueError naming the offending client index and shapes.
 
 Functions: :func:`fed_a2` (FedA²-LoRA analytical aggregation, never forms a d_out × d_in
-matrix) and its materialising reference :func:`fed_a2_naive`, :func:`flexlora` (SVD
+matrix; mixed ranks by zero padding with ``pad=True``) and its materialising reference
+:func:`fed_a2_naive`, :func:`flexlora` (SVD
 redistribution for heterogeneous ranks), :func:`hetlora_pad` / :func:`hetlora_truncate`
 (HetLoRA zero-padding aggregation), and :func:`lora_delta_norm` (‖B A‖_F without B A).
 """
@@ -96,8 +97,8 @@ def _check_factors(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor],
                              f'(client 0 B: {tuple(Bs[0].shape)})')
         if same_rank and ranks[k] != ranks[0]:
             raise ValueError(f'client {k}: rank {ranks[k]} (A {tuple(A.shape)}, B {tuple(B.shape)}) '
-                             f'differs from client 0 rank {ranks[0]}; use hetlora_pad or flexlora '
-                             f'for heterogeneous ranks')
+                             f'differs from client 0 rank {ranks[0]}; use pad=True (fed_a2), '
+                             f'hetlora_pad or flexlora for heterogeneous ranks')
     return ranks, d_in, d_out
 
 
@@ -113,10 +114,13 @@ def _check_pair(A, B, a_name: str, b_name: str) -> None:
 
 
 def _average_A(As: Sequence[torch.Tensor], p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Σ p_k A_k accumulated in `dtype` (same arithmetic as weighted_average)."""
-    acc = torch.zeros(As[0].shape, dtype=dtype, device=As[0].device)
+    """Σ p_k pad(A_k) accumulated in `dtype` (same arithmetic as weighted_average): A_k of rank
+    r_k fills the first r_k rows of the (max_k r_k, d_in) result, i.e. it is zero-padded with
+    rows (a no-op when all ranks agree)."""
+    r_max = max(int(A.shape[0]) for A in As)
+    acc = torch.zeros((r_max, As[0].shape[1]), dtype=dtype, device=As[0].device)
     for pk, A in zip(p.tolist(), As):
-        acc += pk * A.detach().to(dtype)
+        acc[:A.shape[0]] += pk * A.detach().to(dtype)
     return acc
 
 
@@ -154,7 +158,7 @@ def _resolve_lam(G: torch.Tensor, lam) -> float:
 # --------------------------------------------------------------------------------------------
 
 def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-           lam: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+           lam: Optional[float] = None, pad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """FedA²-LoRA analytical aggregation, without ever forming a d_out × d_in matrix.
 
     With p = normalise_weights(weights)::
@@ -177,17 +181,29 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
     to its condition number and float32 rounding (~1e-7) would dominate the solution.
 
     lam:
-      * a float ≥ 0: used as is. lam = 0 with a singular A Aᵀ raises ValueError.
-      * None (default): λ = 0 if cond(A Aᵀ) < FED_A2_COND_THRESHOLD (1e6, float64 eigenvalues),
-        otherwise the ridge fallback λ = FED_A2_RIDGE_EPS · trace(A Aᵀ)/r (eps = 1e-6, i.e.
-        1e-6 × the mean eigenvalue of A Aᵀ). A ridge is used rather than a pseudo-inverse because
+      * a float ≥ 0: used as is, whatever the conditioning of A Aᵀ (UniFLoW Algorithm 1 line
+        17 applies λ every round; the method fed_a2 defaults to the paper's λ = 1, §3 after
+        Eq. 13). lam = 0 (Table 12's "w/o Tik.") with a singular A Aᵀ raises ValueError.
+      * None (default here; Eq. 13's case split): λ = 0 if cond(A Aᵀ) <
+        FED_A2_COND_THRESHOLD (1e6, float64 eigenvalues), otherwise the ridge fallback
+        λ = FED_A2_RIDGE_EPS · trace(A Aᵀ)/r (eps = 1e-6, i.e. 1e-6 × the mean eigenvalue of
+        A Aᵀ). A ridge is used rather than a pseudo-inverse because
         it is continuous in the data (pinv jumps when a singular value crosses its cut-off),
         keeps the single symmetric solve above, and is deterministic. If A is exactly zero,
         B = 0 (the minimum-norm minimiser).
 
-    Returns (A, B) in the dtypes of As[0] and Bs[0]. All clients must share the rank r.
+    pad (mixed ranks, UniFLoW appendix E.4 / Table 10 "zero-padding"): with pad=True clients
+    may have different ranks r_k; every A_k (r_k, d_in) is zero-padded with rows and every B_k
+    (d_out, r_k) with columns to r = max_k r_k. Padding leaves each update unchanged
+    (pad(B_k) pad(A_k) = B_k A_k, so U is the same), A = Σ p_k pad(A_k) (row i averages the
+    clients with r_k > i, with the full p_k), and B is solved as above at rank r; nothing is
+    actually padded (U Aᵀ = Σ p_k B_k (A_k Aᵀ) with A_k Aᵀ of shape r_k × r). With pad=False
+    (default) all clients must share the rank r, else ValueError. Clients then take
+    :func:`hetlora_truncate` of the result (their first r_k components).
+
+    Returns (A, B) in the dtypes of As[0] and Bs[0].
     """
-    _check_factors(As, Bs, weights, same_rank=True)
+    _check_factors(As, Bs, weights, same_rank=not pad)
     p = normalise_weights(weights)
     cdtype = _compute_dtype(*As, *Bs)
     A = _average_A(As, p, cdtype)
@@ -201,9 +217,9 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
     acc_dtype = (torch.float32 if cdtype == torch.float32
                  and _condition(G) < FED_A2_FLOAT32_COND else torch.float64)
     A_acc = A.to(acc_dtype).T
-    UAt = torch.zeros(Bs[0].shape, dtype=acc_dtype, device=A.device)   # d_out × r
+    UAt = torch.zeros((Bs[0].shape[0], A.shape[0]), dtype=acc_dtype, device=A.device)  # d_out × r
     for pk, Ak, Bk in zip(p.tolist(), As, Bs):
-        Gk = Ak.detach().to(acc_dtype) @ A_acc                 # A_k Aᵀ, r × r
+        Gk = Ak.detach().to(acc_dtype) @ A_acc                 # A_k Aᵀ, r_k × r
         UAt.addmm_(Bk.detach().to(acc_dtype), Gk, alpha=pk)
     UAt = UAt.to(torch.float64)
     try:
@@ -215,7 +231,7 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
 
 
 def fed_a2_naive(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-                 lam: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 lam: Optional[float] = None, pad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference FedA²: materialises U = Σ_k p_k B_k A_k (d_out × d_in) and solves with lstsq.
 
     Same problem and the same lam / lam=None rule as :func:`fed_a2` (λ is chosen from the same
@@ -228,9 +244,10 @@ def fed_a2_naive(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights
 
     via torch.linalg.lstsq (QR based, no normal equations). U and the solve are in float64 so it
     can serve as the accuracy reference. Cost O(K r d_in d_out) time, O(d_in d_out) memory.
+    pad=True: mixed ranks, A = Σ p_k pad(A_k) as in :func:`fed_a2` (U needs no padding).
     Returns (A, B) in the dtypes of As[0] and Bs[0].
     """
-    _check_factors(As, Bs, weights, same_rank=True)
+    _check_factors(As, Bs, weights, same_rank=not pad)
     p = normalise_weights(weights)
     cdtype = _compute_dtype(*As, *Bs)
     A = _average_A(As, p, cdtype)
