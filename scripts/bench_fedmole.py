@@ -6,9 +6,9 @@ Configurations (LoRA r=8, alpha=16 on q,k,v,up_proj; Fed-MoLE's routed experts o
   fedmole_n64   Fed-MoLE, N = 64, K = 2 (cost should track K, not N)
 
 Step time: one optimiser step (forward, backward, AdamW) on a fixed random batch, timed the way
-a client trains: Fed-MoLE alternates its two ADA phases (half the steps with routed experts +
-routers trainable, half with the shared experts + plain LoRA trainable), FedAvg-LoRA trains all
-adapters. The configurations are built in one process and timed in interleaved blocks (one
+a client trains: Fed-MoLE runs its two ADA phases in turn (steps with routed experts + routers
+trainable, then as many with the shared experts + plain LoRA trainable; per step, so the phase
+budget does not change the figure), FedAvg-LoRA trains all adapters. The configurations are built in one process and timed in interleaved blocks (one
 local round of each in turn, repeated), so load drift on a shared machine hits all of them
 alike; reported: the median over blocks of the round's mean step time.
 

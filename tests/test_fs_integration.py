@@ -85,7 +85,7 @@ def test_fs_standalone_matches_embedded(tmp_path, method):
     if method == 'flame':
         deep_update(cfg, FLAME_MODEL)
     deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
-    client_cfgs = MIXED_RANKS if method in ('hetlora', 'flexlora') else None
+    client_cfgs = MIXED_RANKS if method in ('hetlora', 'flexlora', 'fed_a2') else None
     args = ['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)]
     if client_cfgs:
         args += ['--client_cfg', write_yaml(tmp_path / 'clients.yaml', client_cfgs)]
