@@ -316,6 +316,23 @@ def test_heterogeneous_ranks_end_to_end(tmp_path, method):
     assert clients[1].params[a_key].shape[0] == 2 and clients[4].params[a_key].shape[0] == 16
     # every client holds the leading components of the same global factors
     torch.testing.assert_close(clients[1].params[a_key], clients[4].params[a_key][:2])
+    # the rank-16 client (above the base YAML's r = 8 the global factors start at) trains its
+    # components 8..15 too: zero padding would have frozen them (zero A rows, zero B columns)
+    b_key = a_key.replace('lora_A', 'lora_B')
+    assert torch.count_nonzero(clients[4].params[b_key][:, R:]) > 0
+    assert torch.count_nonzero(clients[4].params[a_key][R:]) > 0
+
+
+def test_higher_rank_client_keeps_its_extra_components(tmp_path):
+    from fs_plugins.aggregation.pairs import overlay_rank
+    own_a, own_b = torch.randn(4, 6), torch.randn(5, 4)
+    got_a, got_b = torch.randn(2, 6), torch.randn(5, 2)
+    a = overlay_rank('m.lora_A.default.weight', got_a, own_a)
+    b = overlay_rank('m.lora_B.default.weight', got_b, own_b)
+    assert torch.equal(a[:2], got_a) and torch.equal(a[2:], own_a[2:])
+    assert torch.equal(b[:, :2], got_b) and torch.equal(b[:, 2:], own_b[:, 2:])
+    with pytest.raises(ValueError, match='exceeds'):
+        overlay_rank('m.lora_A.default.weight', own_a, got_a)
 
 
 def test_vera_adapter_shares_only_scaling_vectors(tmp_path):

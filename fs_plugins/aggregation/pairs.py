@@ -31,6 +31,22 @@ def lora_rank(key: str, tensor: torch.Tensor) -> int:
     return tensor.shape[0] if is_lora_a(key) else tensor.shape[1]
 
 
+def overlay_rank(key: str, received: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """`own` (rank r) with its first r' components replaced by `received` (rank r' <= r): a
+    client of a higher rank than the global factors keeps training its extra components (zero
+    padding would freeze them: a zero row of A and zero column of B get no gradient)."""
+    rank = lora_rank(key, received)
+    if rank > lora_rank(key, own):
+        raise ValueError(f"'{key}': received rank {rank} exceeds the client's rank "
+                         f"{lora_rank(key, own)}")
+    out = own.detach().clone().to(received.dtype)
+    if is_lora_a(key):
+        out[:rank] = received
+    else:
+        out[:, :rank] = received
+    return out
+
+
 def fit_rank(key: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
     """Truncates (keeps the first `rank` components) or zero-pads a LoRA factor to `rank`."""
     current = lora_rank(key, tensor)

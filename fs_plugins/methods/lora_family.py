@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from fs_plugins.aggregation import weighted_average
-from fs_plugins.aggregation.pairs import fit_rank, is_lora_factor, lora_pairs, lora_rank
+from fs_plugins.aggregation.pairs import (fit_rank, is_lora_factor, lora_pairs, lora_rank,
+                                          overlay_rank)
 from fs_plugins.methods.base import ClientUpdate, load_tensors, weights_of
 
 
@@ -22,12 +23,15 @@ def aggregate_by_layer(global_state: dict, updates: list[ClientUpdate], combine)
 
 
 def receive_at_own_rank(model, content: dict) -> None:
-    """Loads LoRA factors truncated or zero-padded to this client's own rank."""
+    """Loads LoRA factors at this client's own rank: truncated to it, or, when the client's
+    rank is higher, into its first components (the client keeps its own extra components)."""
     params = dict(model.named_parameters())
     fitted = {}
     for key, value in content.items():
         target = params.get(key)
         if target is not None and is_lora_factor(key):
-            value = fit_rank(key, value, lora_rank(key, target))
+            own_rank = lora_rank(key, target)
+            value = (overlay_rank(key, value, target) if lora_rank(key, value) < own_rank
+                     else fit_rank(key, value, own_rank))
         fitted[key] = value
     load_tensors(model, fitted)
