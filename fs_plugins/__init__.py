@@ -3,3 +3,11 @@
 Importing this package is cheap (no torch, no FederatedScope); the FS binding is loaded by the
 import hook in `fs_plugins.fs.autoload` when FederatedScope's config module is imported."""
 __version__ = '0.1.0'
+
+__all__ = ['load_trained']
+
+
+def load_trained(run_dir: str, client=None, device: str = 'cpu'):
+    """A run's trained model rebuilt from its results directory (see fs_plugins.artifacts)."""
+    from fs_plugins.artifacts import load_trained as load
+    return load(run_dir, client, device)

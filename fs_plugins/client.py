@@ -141,6 +141,15 @@ class ClientProcedure:
             self.record(loss.item(), batch['input_ids'].shape[0])
         return self.end_round()
 
+    # ----------------------------------------------------------------- artifacts
+    def save_model(self, run_dir: str, round_idx: int) -> int:
+        """Writes this client's model as it stands (fs_plugins.artifacts) under
+        `run_dir`/adapters/client_<id>/; returns the bytes written."""
+        from fs_plugins.artifacts import client_dir, save_client_model
+        return save_client_model(client_dir(run_dir, self.client_id), self.client_id, round_idx,
+                                 self.cfg, self.method, self.model, self.trainable_names,
+                                 self.state)
+
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, split: str = 'test') -> dict:

@@ -36,11 +36,14 @@ def predictions_path(out_dir: str, client_id: int) -> str:
     return os.path.join(out_dir, 'predictions', f'client_{client_id}.jsonl')
 
 
-def run_info(cfg, runner: str, client_names: dict) -> dict:
+def run_info(cfg, runner: str, client_names: dict, client_cfgs: dict | None = None) -> dict:
+    """run_info.json: the run's config and each client's `--client_cfg` entry (what
+    `fs_plugins.load_trained` rebuilds the models from)."""
     return {'runner': runner, 'method': cfg.fsplug.method, 'seed': cfg.seed,
             'model': model_path(cfg), 'data': str(cfg.data.type),
             'client_names': {str(k): v for k, v in client_names.items()},
-            'config': to_plain(cfg)}
+            'config': to_plain(cfg),
+            'client_cfgs': {str(k): to_plain(v) for k, v in (client_cfgs or {}).items()}}
 
 
 def initial_shared_state(cfg, method: Method) -> dict:

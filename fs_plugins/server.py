@@ -52,3 +52,15 @@ class ServerProcedure:
         total = int(self.cfg.federate.total_round_num)
         freq = max(int(self.cfg.eval.freq), 1)
         return rounds_done % freq == 0 or rounds_done == total
+
+    def should_save(self, rounds_done: int) -> bool:
+        """Models are written at the end and every fsplug.save.freq rounds (0: end only)."""
+        freq = int(self.cfg.fsplug.save.freq)
+        return rounds_done == int(self.cfg.federate.total_round_num) or (
+            freq > 0 and rounds_done % freq == 0)
+
+    def save_global(self, run_dir: str, round_idx: int, trainable_names=None) -> int:
+        """Writes the global shared state under `run_dir`/adapters/global/ (fs_plugins.artifacts)."""
+        from fs_plugins.artifacts import global_dir, save_global_state
+        return save_global_state(global_dir(run_dir), round_idx, self.cfg, self.method,
+                                 self.state['global'], trainable_names)

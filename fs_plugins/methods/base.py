@@ -135,6 +135,16 @@ class Method:
         """Applies what the server sent to this client (default: load shared tensors)."""
         load_tensors(model, content)
 
+    def artifact_extra(self, model: torch.nn.Module, state: dict) -> dict[str, torch.Tensor]:
+        """Tensors besides the trained parameters that the saved model needs to equal this
+        client's model (fs_plugins.artifacts): changed frozen weights, settings the server
+        assigned. Names must not be trained parameters' names. Default: none."""
+        return {}
+
+    def restore_artifact(self, model: torch.nn.Module, extra: dict[str, torch.Tensor]) -> None:
+        """Applies `artifact_extra`'s tensors to a rebuilt model (default: parameters by name)."""
+        load_tensors(model, extra)
+
     # ----------------------------------------------------------------- server
     def init_server_state(self, initial_shared: dict[str, torch.Tensor]) -> dict:
         """Server state kept across rounds; 'global' holds the shared parameters."""

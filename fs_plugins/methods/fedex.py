@@ -44,6 +44,11 @@ class FedExLoRA(Method):
         return {**server_state['global'],
                 **{RESIDUAL + k: v for k, v in server_state['residual'].items()}}
 
+    def artifact_extra(self, model, state):
+        # the frozen base weights the residual was folded into
+        return {f'{prefix}.base_layer.weight': model.get_submodule(prefix).base_layer.weight
+                for prefix in state['w0']}
+
     def receive(self, model, content, state):
         load_tensors(model, {k: v for k, v in content.items() if not k.startswith(RESIDUAL)})
         with torch.no_grad():

@@ -34,6 +34,7 @@ COUNTS_PREFIX = 'flame.counts.'       # + MoE block name: (E,) activation counts
 TOTALS_PREFIX = 'flame.total.'        # + MoE block name: () their total S_i (float64)
 STEPS_KEY = 'flame.steps'             # local steps of the round
 DEFAULT_TOP_K_KEY = 'flame.top_k'     # server -> client: the budget level assigned by id
+ARTIFACT_TOP_K = 'flame/top_k'      # the client's top-k in its saved model (fs_plugins.artifacts)
 METRICS_KEY = 'flame_metrics'         # client state: this round's a/S summary (client_metrics)
 
 
@@ -167,6 +168,15 @@ class Flame(ExpertRoutingMethod):
         if self.hparams.top_k == 0 and assigned is not None and int(assigned) != model.flame_routing.top_k:
             self._apply_top_k(model, int(assigned))
         load_tensors(model, content)
+
+    def artifact_extra(self, model, state):
+        # the top-k the server assigned (budget levels) is part of the client's model
+        return {ARTIFACT_TOP_K: torch.tensor(model.flame_routing.top_k)}
+
+    def restore_artifact(self, model, extra):
+        k = extra.get(ARTIFACT_TOP_K)
+        if k is not None and int(k) != model.flame_routing.top_k:
+            self._apply_top_k(model, int(k))
 
     # ------------------------------------------------------------------ server
     def aggregate(self, server_state, updates):

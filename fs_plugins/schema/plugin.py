@@ -134,6 +134,12 @@ class TrainOptions:
 
 
 @dataclass
+class SaveOptions:
+    freq: int = option(0, 'write the models (adapters/global, adapters/client_<id>) every this many '
+                          'rounds besides the end of the run (0 = end only)', ge=0)
+
+
+@dataclass
 class PluginOptions:
     """`fsplug.*` without the per-method nodes (those come from the method registry)."""
     method: str = option('', "the method that runs ('' leaves FederatedScope untouched)",
@@ -146,3 +152,4 @@ class PluginOptions:
     eval: EvalOptions = section(EvalOptions, 'per-client evaluation')
     train: TrainOptions = section(TrainOptions, 'local training beyond FS\'s train.* keys')
     aggregation: AggregationOptions = section(AggregationOptions, 'server-side averaging')
+    save: SaveOptions = section(SaveOptions, 'fine-tuned models written into the results directory')

@@ -6,6 +6,7 @@ import logging
 
 from tqdm import tqdm
 
+from fs_plugins.artifacts import save_models
 from fs_plugins.client import ClientProcedure
 from fs_plugins.config import client_config, client_overrides, resolve_derived
 from fs_plugins.data.federated import build_federated_records
@@ -37,7 +38,7 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
     overrides = client_overrides(client_cfgs, cfg)
     method_cls = get_method_class(cfg.fsplug.method)
     method = method_cls(cfg)
-    results = ResultsLog(results_dir(cfg), run_info(cfg, 'embedded', records.client_names))
+    results = ResultsLog(results_dir(cfg), run_info(cfg, 'embedded', records.client_names, overrides))
     logger.info(f'fs-plugins: results -> {results.out_dir}')
     try:
         server = ServerProcedure(cfg, method, initial_shared_state(cfg, method), results)
@@ -54,11 +55,15 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
                 updates.append(clients[cid].run_round(round_idx))
             server.aggregate(round_idx, updates)
             progress.set_postfix(train_loss=_mean(u.metrics['train_avg_loss'] for u in updates))
-            if server.should_evaluate(round_idx + 1):
+            evaluate, save = server.should_evaluate(round_idx + 1), server.should_save(round_idx + 1)
+            if evaluate or save:
                 for cid, client in clients.items():
                     client.receive(server.content_for(cid, for_training=False))
-                    results.log_eval(round_idx, cid,
-                                     {**client.evaluate('test'), **client.evaluate('val')})
+                    if evaluate:
+                        results.log_eval(round_idx, cid,
+                                         {**client.evaluate('test'), **client.evaluate('val')})
+            if save:
+                save_models(results.out_dir, round_idx, server, clients.values())
     finally:
         summary = results.close()
     print(f'\nPer-client results ({cfg.fsplug.method}, embedded runner, seed {cfg.seed}):\n'
