@@ -67,6 +67,36 @@ def plot(runs: list[dict], metric: str, path: str) -> None:
     print(f'plot: {path}')
 
 
+def per_round(runs: list[dict], metric: str) -> tuple[list[str], list[list[str]]]:
+    """Rows: rounds; columns: each row label's average over clients (mean over its runs), to
+    see whether the curves have flattened."""
+    groups = group(runs)
+    averages = {}
+    for label, members in groups.items():
+        by_round: dict[int, list[float]] = {}
+        for run in members:
+            for k, value in _client_average_by_round(eval_curve(run['dir'], metric)).items():
+                by_round.setdefault(k, []).append(value)
+        averages[label] = {k: _mean(v) for k, v in by_round.items()}
+    rounds = sorted({k for a in averages.values() for k in a})
+    header = ['round'] + list(groups)
+    rows = [[str(k + 1)] + [f"{averages[label].get(k, float('nan')):.4f}" for label in groups]
+            for k in rounds]
+    return header, rows
+
+
+def _client_average_by_round(curves: dict[int, dict[int, float]]) -> dict[int, float]:
+    rounds = sorted({k for c in curves.values() for k in c})
+    return {k: _mean(c[k] for c in curves.values() if k in c) for k in rounds}
+
+
+def _print_table(header, rows) -> None:
+    print('| ' + ' | '.join(header) + ' |')
+    print('|' + '---|' * len(header))
+    for row in rows:
+        print('| ' + ' | '.join(row) + ' |')
+
+
 def load(run_dir: str, metric: str) -> dict:
     with open(os.path.join(run_dir, 'run_info.json')) as handle:
         info = json.load(handle)
@@ -118,14 +148,16 @@ def main(argv=None) -> None:
     parser.add_argument('--baseline', default='standalone')
     parser.add_argument('--csv', default=None)
     parser.add_argument('--plot', default=None, help='PNG of --metric per round and client')
+    parser.add_argument('--per-round', action='store_true',
+                        help='also print the average over clients at every evaluated round')
     args = parser.parse_args(argv)
     runs = [load(d, args.metric) for d in args.runs]
     header, rows = table(runs, args.metric, args.baseline)
     print(f'{args.metric} (last evaluation per client)\n')
-    print('| ' + ' | '.join(header) + ' |')
-    print('|' + '---|' * len(header))
-    for row in rows:
-        print('| ' + ' | '.join(row) + ' |')
+    _print_table(header, rows)
+    if args.per_round:
+        print(f'\n{args.metric} per round (average over clients, mean over runs)\n')
+        _print_table(*per_round(runs, args.metric))
     if args.csv:
         with open(args.csv, 'w', newline='') as handle:
             csv.writer(handle).writerows([header] + rows)

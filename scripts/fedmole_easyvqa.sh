@@ -25,6 +25,6 @@ for seed in ${SEEDS:-1}; do
   done
 done
 for metric in test_vqa_exact test_vqa_acc; do
-  python scripts/compare.py "${dirs[@]}" --metric $metric \
+  python scripts/compare.py "${dirs[@]}" --metric $metric --per-round \
     --csv "$out/compare_$metric.csv" --plot "$out/$metric.png"
 done
