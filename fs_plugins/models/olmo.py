@@ -9,11 +9,10 @@ depth, heads and tokenizer, and an MLP as wide as the tiny OLMoE's 8 active expe
 """
 from __future__ import annotations
 
-import torch
 
 from fs_plugins.models.builders import LoadedBase, load_causal_lm, register_builder
 from fs_plugins.models.cache import ensure_cached_dir
-from fs_plugins.models.tiny import build_tokenizer
+from fs_plugins.models.olmoe import build_tiny_dir, random_causal_lm
 
 TINY_OLMO_CONFIG = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
@@ -31,20 +30,11 @@ DENSE_LORA_MODULES = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_p
 
 def random_olmo(seed: int = 1234, **dims):
     """An OlmoForCausalLM with random weights and the given config fields."""
-    from transformers import OlmoConfig, OlmoForCausalLM
-    config = OlmoConfig(**dims)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return OlmoForCausalLM(config)
+    return random_causal_lm('OlmoConfig', 'OlmoForCausalLM', seed, **dims)
 
 
 def build_tiny_olmo_dir(path: str, seed: int = 1234) -> None:
-    tokenizer = build_tokenizer()
-    model = random_olmo(seed, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                        tie_word_embeddings=False, **TINY_OLMO_CONFIG)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    build_tiny_dir(path, random_olmo, TINY_OLMO_CONFIG, seed)
 
 
 def ensure_tiny_olmo(path: str | None = None) -> str:

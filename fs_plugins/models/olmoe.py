@@ -16,13 +16,9 @@ projection on its own. The OLMoE builders split when the LoRA targets name gate 
 (`split_wanted`)."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import torch
 
-from fs_plugins.models.cache import cache_dir
+from fs_plugins.models.cache import ensure_cached_dir
 from fs_plugins.models.tiny import build_tokenizer
 
 # fsplug.model.lora.target_parameters for LoRA on every expert of every MoE layer (fused gate/up)
@@ -48,42 +44,37 @@ OLMOE_1B_7B_DIMS = dict(num_hidden_layers=16, hidden_size=2048, intermediate_siz
                         num_experts_per_tok=8, vocab_size=50304)
 
 
-def random_olmoe(seed: int = 1234, **dims):
-    """An OlmoeForCausalLM with random weights and the given config fields."""
-    from transformers import OlmoeConfig, OlmoeForCausalLM
-    config = OlmoeConfig(**dims)
+def random_causal_lm(config_name: str, model_name: str, seed: int = 1234, **dims):
+    """transformers' `model_name` with random weights from `config_name`(**dims), seeded."""
+    import transformers
+    config = getattr(transformers, config_name)(**dims)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return OlmoeForCausalLM(config)
+        return getattr(transformers, model_name)(config)
 
 
-def build_tiny_olmoe_dir(path: str, seed: int = 1234) -> None:
+def random_olmoe(seed: int = 1234, **dims):
+    """An OlmoeForCausalLM with random weights and the given config fields."""
+    return random_causal_lm('OlmoeConfig', 'OlmoeForCausalLM', seed, **dims)
+
+
+def build_tiny_dir(path: str, random_model, dims: dict, seed: int = 1234) -> None:
+    """A tiny random model (`random_model(seed, **config)`) with the offline tokenizer, saved."""
     tokenizer = build_tokenizer()
-    model = random_olmoe(seed, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+    model = random_model(seed, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         tie_word_embeddings=False, **TINY_OLMOE_CONFIG)
+                         tie_word_embeddings=False, **dims)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 
+def build_tiny_olmoe_dir(path: str, seed: int = 1234) -> None:
+    build_tiny_dir(path, random_olmoe, TINY_OLMOE_CONFIG, seed)
+
+
 def ensure_tiny_olmoe(path: str | None = None) -> str:
     """Directory of the tiny OLMoE, built there first if needed (atomically)."""
-    path = path or os.path.join(cache_dir(), TINY_OLMOE_DIR_NAME)
-    if os.path.isfile(os.path.join(path, 'config.json')):
-        return path
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix='.tiny-olmoe-')
-    try:
-        build_tiny_olmoe_dir(tmp)
-        try:
-            os.rename(tmp, path)  # another process may have won the race
-        except OSError:
-            if not os.path.isfile(os.path.join(path, 'config.json')):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return ensure_cached_dir(path, build_tiny_olmoe_dir, TINY_OLMOE_DIR_NAME)
 
 
 def check_olmoe(model, path: str) -> None:
