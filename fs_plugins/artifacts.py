@@ -281,18 +281,12 @@ def _check_base(meta: dict, cfg, folder: str) -> None:
 
 
 def _copy_checked(model, tensors: dict, source: str) -> None:
-    params = dict(model.named_parameters())
-    for name, value in tensors.items():
-        target = params.get(name)
-        if target is None:
-            raise ArtifactError(f"{source}: tensor '{name}' has no matching parameter in the "
-                                f'rebuilt model (another base model or method?)')
-        if target.shape != value.shape:
-            raise ArtifactError(f"{source}: tensor '{name}' has shape {tuple(value.shape)}, the "
-                                f'rebuilt model has {tuple(target.shape)} (another base model?)')
-    with torch.no_grad():
-        for name, value in tensors.items():
-            params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+    """Loads saved tensors into the rebuilt model's parameters (names and shapes checked)."""
+    from fs_plugins.methods.base import load_tensors
+    try:
+        load_tensors(model, tensors)
+    except (KeyError, ValueError) as exc:
+        raise ArtifactError(f'{source}: {exc.args[0]} (another base model or method?)') from exc
 
 
 def _load_peft(model, folder: str, adapters: list[str]) -> None:

@@ -3,7 +3,7 @@
 # "λ = 0.1") against FedAvg-LoRA on the tiny benchmark (yamls/{fedavg,fed_a2}/tiny.yaml:
 # 4 clients by task, 10 rounds x 10 steps, r = 8), seeds 1 2 3; then the comparison tables
 # (scripts/compare.py, mean over seeds of each client's last evaluation) and the per-round
-# curves (mean over clients and seeds) to show whether the runs have flattened.
+# curves (compare.py --per-round: mean over clients and seeds) to show whether they flattened.
 # Usage: bash scripts/fed_a2_lambda.sh [ROUNDS]   (default 10, the tiny grid's setting;
 #        with another value the results go to exp/fed_a2_lambda/rounds<ROUNDS>/)
 set -euo pipefail
@@ -32,37 +32,7 @@ for seed in $seeds; do
   done
 done
 
-python scripts/compare.py "${runs[@]}" --metric test_token_acc --baseline fedavg
-echo
-python scripts/compare.py "${runs[@]}" --metric test_avg_loss --baseline fedavg
-echo
-python - "${runs[@]}" <<'EOF'
-"""Per-round curves: mean over clients and seeds of each evaluation, one column per run name."""
-import json
-import os
-import sys
-from collections import defaultdict
-
-curves = defaultdict(lambda: defaultdict(list))     # (metric, name) -> round -> values
-for run in sys.argv[1:]:
-    name = os.path.basename(run)
-    with open(os.path.join(run, 'results.jsonl')) as handle:
-        for line in handle:
-            row = json.loads(line)
-            if row['kind'] == 'eval':
-                for metric in ('test_avg_loss', 'test_token_acc'):
-                    curves[metric, name][row['round']].append(row[metric])
-names = list(dict.fromkeys(os.path.basename(r) for r in sys.argv[1:]))
-for metric in ('test_avg_loss', 'test_token_acc'):
-    rounds = sorted({k for (m, _), c in curves.items() if m == metric for k in c})
-    print(f'{metric} per round (mean over clients and seeds)\n')
-    print('| round | ' + ' | '.join(names) + ' |')
-    print('|---|' + '---|' * len(names))
-    for k in rounds:
-        cells = [sum(v) / len(v) for v in (curves[metric, n][k] for n in names)]
-        print(f'| {k + 1} | ' + ' | '.join(f'{c:.4f}' for c in cells) + ' |')
-    last = rounds[-3:]
-    print(f'\nchange over the last {len(last) - 1} rounds ({last[0] + 1} -> {last[-1] + 1}): '
-          + ', '.join(f'{n} {sum(curves[metric, n][last[-1]]) / len(curves[metric, n][last[-1]]) - sum(curves[metric, n][last[0]]) / len(curves[metric, n][last[0]]):+.4f}'
-                      for n in names) + '\n')
-EOF
+for metric in test_token_acc test_avg_loss; do
+  python scripts/compare.py "${runs[@]}" --metric "$metric" --baseline fedavg --per-round
+  echo
+done

@@ -5,8 +5,8 @@
 # YAML's t and reading (paper §5 Table 5; 'learnable' is the run t2_token). Then the tables:
 # last evaluation per client of test token accuracy, ROUGE-L and loss (scripts/compare.py;
 # several seeds: mean, and the std of the average), and the spread of the activation frequency
-# a/S (min / median / max over the experts of each layer, last round, mean over layers and
-# clients) from each run's log.
+# a/S (min / median / max over the experts of each layer, last round, mean over layers, per
+# client) from each run's results.jsonl.
 # Usage: SEEDS="1 2 3" bash scripts/flame_champ_grid.sh        (default SEEDS=1; ~13 s a run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,35 +41,31 @@ for metric in test_token_acc test_rougeL test_avg_loss; do
 done
 
 python - "${runs[@]}" <<'EOF'
-"""a/S spread per run: the last round's 'FLAME client c: activation frequency ...' log lines."""
+"""a/S spread per run: each client's last train row (flame_freq_min/median/max: over the
+experts of each MoE layer, mean over the layers) and the run's reading, from results.jsonl."""
+import json
 import os
-import re
 import statistics
 import sys
 
-line = re.compile(r'FLAME client (\d+): activation frequency a/S \((\w+)\).*?: (.*)$')
 rows = {}
 for run in sys.argv[1:]:
     last = {}
-    for text in open(run + '.log', encoding='utf-8'):
-        match = line.search(text)
-        if match:   # later rounds overwrite earlier ones
-            layers = [tuple(map(float, part.split(': ')[1].split('/')))
-                      for part in match.group(3).split(', ')]
-            last[int(match.group(1))] = (match.group(2), layers)
-    name = os.path.basename(run)
-    rows.setdefault(name, []).append(last)
+    with open(os.path.join(run, 'results.jsonl'), encoding='utf-8') as handle:
+        for line in handle:
+            row = json.loads(line)
+            if row['kind'] == 'train' and 'flame_freq_median' in row:   # later rounds win
+                last[row['client']] = tuple(row[f'flame_freq_{s}'] for s in ('min', 'median', 'max'))
+    with open(os.path.join(run, 'run_info.json'), encoding='utf-8') as handle:
+        reading = json.load(handle)['config']['fsplug']['flame']['activation']
+    rows.setdefault(os.path.basename(run), []).append((reading, last))
 print('activation frequency a/S, last round: min / median / max over experts, mean over layers '
       '(and seeds); per client\n')
-clients = sorted({c for runs in rows.values() for last in runs for c in last})
+clients = sorted({c for runs in rows.values() for _, last in runs for c in last})
 print('| run | reading | ' + ' | '.join(f'client {c}' for c in clients) + ' |')
 print('|' + '---|' * (len(clients) + 2))
 for name, runs in rows.items():
-    cells = []
-    for c in clients:
-        stats = [tuple(statistics.mean(layer[i] for layer in last[c][1]) for i in range(3))
-                 for last in runs if c in last]
-        cells.append('/'.join(f'{statistics.mean(s[i] for s in stats):.3f}' for i in range(3)))
-    reading = runs[0][clients[0]][0] if clients[0] in runs[0] else '?'
-    print(f'| {name} | {reading} | ' + ' | '.join(cells) + ' |')
+    cells = ['/'.join(f'{statistics.mean(last[c][i] for _, last in runs if c in last):.3f}'
+                      for i in range(3)) for c in clients]
+    print(f'| {name} | {runs[0][0]} | ' + ' | '.join(cells) + ' |')
 EOF

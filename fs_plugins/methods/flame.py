@@ -85,14 +85,18 @@ class ExpertRoutingMethod(Method):
         return dict(state.get(METRICS_KEY, {}))
 
 
+def _per_block(update, prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in update.extra.items() if k.startswith(prefix)}
+
+
 def counts_of(update) -> dict[str, torch.Tensor]:
     """{MoE block: (E,) counts} from one client's payload."""
-    return {k[len(COUNTS_PREFIX):]: v for k, v in update.extra.items() if k.startswith(COUNTS_PREFIX)}
+    return _per_block(update, COUNTS_PREFIX)
 
 
 def totals_of(update) -> dict[str, torch.Tensor]:
     """{MoE block: () total of the counts} from one client's payload."""
-    return {k[len(TOTALS_PREFIX):]: v for k, v in update.extra.items() if k.startswith(TOTALS_PREFIX)}
+    return _per_block(update, TOTALS_PREFIX)
 
 
 def experts_per_block(updates) -> dict[str, int]:

@@ -41,12 +41,17 @@ def check_lengths(predictions: list, references: list) -> None:
         raise ValueError(f'{len(predictions)} predictions but {len(references)} references')
 
 
-def acceptable_answers(reference) -> set[str]:
-    """Normalised answers accepted for one reference: a str or a list of acceptable answers."""
+def reference_answers(reference) -> list[str]:
+    """The answers one reference accepts: a str or a list of acceptable answers."""
     answers = [reference] if isinstance(reference, str) else list(reference)
     if not answers:
         raise ValueError('a reference holds no acceptable answer')
-    return {normalize_answer(answer) for answer in answers}
+    return answers
+
+
+def acceptable_answers(reference) -> set[str]:
+    """Normalised answers accepted for one reference."""
+    return {normalize_answer(answer) for answer in reference_answers(reference)}
 
 
 def vqa_accuracy(predictions: list[str], references: list) -> float:
@@ -66,10 +71,6 @@ def vqa_exact_accuracy(predictions: list[str], references: list) -> float:
     check_lengths(predictions, references)
     if not predictions:
         return float('nan')
-    correct = 0
-    for pred, ref in zip(predictions, references):
-        answers = [ref] if isinstance(ref, str) else list(ref)
-        if not answers:
-            raise ValueError('a reference holds no acceptable answer')
-        correct += str(pred).strip() in {str(a).strip() for a in answers}
+    correct = sum(str(pred).strip() in {str(a).strip() for a in reference_answers(ref)}
+                  for pred, ref in zip(predictions, references))
     return correct / len(predictions)
