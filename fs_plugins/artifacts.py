@@ -28,6 +28,7 @@ can call `ClientProcedure.save_model` / `ServerProcedure.save_global` the same w
 """
 from __future__ import annotations
 
+import copy
 import glob
 import hashlib
 import json
@@ -36,8 +37,11 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
+
+from fs_plugins.schema.options import to_plain
 
 logger = logging.getLogger(__name__)
 
@@ -131,15 +135,34 @@ def base_fingerprint(model: torch.nn.Module) -> dict:
     return out
 
 
-def _peft_names(model) -> dict[str, set[str]]:
-    """Per peft adapter, the model's parameter names that peft's state dict covers."""
+@dataclass
+class ModelLayout:
+    """What the server needs to write the global state as a model: the trainable parameter
+    names of a model built from the global config and, per peft adapter, its config and the
+    peft state-dict key of each of its parameters. Taken once from the model the server
+    builds at start (`runtime.initial_global`), so the server holds no model."""
+    trainable_names: list[str]
+    peft: dict[str, tuple[object, dict[str, str]]] = field(default_factory=dict)
+    fingerprint: dict = field(default_factory=dict)
+
+
+def peft_keys(model) -> dict[str, dict[str, str]]:
+    """Per peft adapter: {model parameter name: key in peft's saved state dict}."""
     from peft import get_peft_model_state_dict
     out = {}
     params = [n for n, _ in model.named_parameters()]
     for adapter in getattr(model, 'peft_config', {}):
         keys = set(get_peft_model_state_dict(model, adapter_name=adapter))
-        out[adapter] = {n for n in params if n.replace(f'.{adapter}', '') in keys}
+        out[adapter] = {n: n.replace(f'.{adapter}', '') for n in params
+                        if n.replace(f'.{adapter}', '') in keys}
     return out
+
+
+def model_layout(model, trainable_names) -> ModelLayout:
+    configs = getattr(model, 'peft_config', {})
+    return ModelLayout(list(trainable_names),
+                       {a: (copy.deepcopy(configs[a]), keys) for a, keys in peft_keys(model).items()},
+                       base_fingerprint(model))
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
@@ -181,8 +204,8 @@ def _write_meta(folder: str, meta: dict) -> int:
 def save_client_model(path: str, client_id: int, round_idx: int, cfg, method, model,
                       trainable_names, state: dict) -> int:
     """Writes one client's model into `path` atomically; returns the bytes written."""
-    peft_names = _peft_names(model)
-    covered = set().union(*peft_names.values()) if peft_names else set()
+    peft_names = peft_keys(model)
+    covered = {n for keys in peft_names.values() for n in keys}
     trainable = set(trainable_names)
     modules = {n: p for n, p in model.named_parameters()
                if (n in trainable or p.requires_grad) and n not in covered}
@@ -199,25 +222,44 @@ def save_client_model(path: str, client_id: int, round_idx: int, cfg, method, mo
         written = _write_meta(tmp, {
             'format': FORMAT, 'kind': 'client', 'client': client_id, 'round': round_idx,
             'method': method.name, 'base': base_info(cfg), 'base_config': base_fingerprint(model),
-            'peft_adapters': list(peft_names),
+            'config': to_plain(cfg), 'peft_adapters': list(peft_names),
             'tensors': {**_describe(modules, 'trained'), **_describe(extra, 'extra')}})
     logger.info(f'fs-plugins: client {client_id} model (round {round_idx}) -> {path}: '
                 f'{written} bytes')
     return written
 
 
+def _peft_subdir(folder: str, adapter: str) -> str:
+    """Where peft's save_pretrained puts an adapter: 'default' at the root, others below."""
+    return folder if adapter == 'default' else os.path.join(folder, adapter)
+
+
 def save_global_state(path: str, round_idx: int, cfg, method, global_state: dict,
-                      trainable_names=None) -> int:
+                      layout: ModelLayout | None = None) -> int:
     """Writes the server's global shared tensors into `path` atomically; returns the bytes.
-    `trainable_names`: a client's trainable parameters under the global config, to record
-    whether the global state is a complete model."""
+    A peft adapter the global state holds completely is written as a peft adapter folder
+    (`PeftModel.from_pretrained` loads it); every other tensor goes to global_state.safetensors."""
     tensors = {k: v for k, v in global_state.items() if torch.is_tensor(v)}
+    peft_layout = layout.peft if layout is not None else {}
+    complete = {a: keys for a, (_, keys) in peft_layout.items() if keys and set(keys) <= set(tensors)}
+    in_peft = {n for keys in complete.values() for n in keys}
+    rest = {k: v for k, v in tensors.items() if k not in in_peft}
     with atomic_dir(path) as tmp:
-        _save_tensors(tensors, os.path.join(tmp, GLOBAL_FILE))
+        for adapter, keys in complete.items():
+            sub = _peft_subdir(tmp, adapter)
+            os.makedirs(sub, exist_ok=True)
+            peft_layout[adapter][0].save_pretrained(sub)
+            _save_tensors({key: tensors[name] for name, key in keys.items()},
+                          os.path.join(sub, PEFT_FILE))
+        if rest:
+            _save_tensors(rest, os.path.join(tmp, GLOBAL_FILE))
         meta = {'format': FORMAT, 'kind': 'global', 'round': round_idx, 'method': method.name,
-                'base': base_info(cfg), 'tensors': _describe(tensors, 'shared')}
-        if trainable_names is not None:
-            meta['covers_trainable'] = set(trainable_names) <= set(tensors)
+                'base': base_info(cfg), 'config': to_plain(cfg), 'peft_adapters': list(complete),
+                'tensors': {**_describe({n: tensors[n] for n in in_peft}, 'peft'),
+                            **_describe(rest, 'shared')}}
+        if layout is not None:
+            meta['covers_trainable'] = set(layout.trainable_names) <= set(tensors)
+            meta['base_config'] = layout.fingerprint
         written = _write_meta(tmp, meta)
     logger.info(f'fs-plugins: global state (round {round_idx}) -> {path}: {written} bytes')
     return written
@@ -226,10 +268,7 @@ def save_global_state(path: str, round_idx: int, cfg, method, global_state: dict
 def save_models(run_dir: str, round_idx: int, server, clients) -> int:
     """The run's models after round `round_idx`: the global state and every client's model
     (as the clients hold them after receiving the server's evaluation content)."""
-    clients = list(clients)
-    plain = [c for c in clients if c.cfg == server.cfg]   # a client built from the global config
-    total = server.save_global(run_dir, round_idx,
-                               plain[0].trainable_names if plain else None)
+    total = server.save_global(run_dir, round_idx)
     for client in clients:
         total += client.save_model(run_dir, round_idx)
     logger.info(f'fs-plugins: models of round {round_idx} -> {adapters_dir(run_dir)}: '
@@ -271,6 +310,7 @@ def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def _check_base(meta: dict, cfg, folder: str) -> None:
+    """The saved model's base against the run's config (run_info.json)."""
     expected = base_info(cfg)
     saved = meta.get('base', {})
     diff = {k: (saved.get(k), v) for k, v in expected.items() if saved.get(k) != v}
@@ -292,8 +332,7 @@ def _copy_checked(model, tensors: dict, source: str) -> None:
 def _load_peft(model, folder: str, adapters: list[str]) -> None:
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
     for adapter in adapters:
-        sub = folder if adapter == 'default' else os.path.join(folder, adapter)
-        path = os.path.join(sub, PEFT_FILE)
+        path = os.path.join(_peft_subdir(folder, adapter), PEFT_FILE)
         if not os.path.isfile(path):
             raise ArtifactError(f'Saved adapter file missing: {path}')
         saved = _load_safetensors(path)
@@ -313,64 +352,99 @@ def _load_peft(model, folder: str, adapters: list[str]) -> None:
         set_peft_model_state_dict(model, saved, adapter_name=adapter)
 
 
-def load_trained(run_dir: str, client: int | None = None, device: str = 'cpu'):
-    """Rebuilds a run's trained model from its results directory: `client=None` the global
-    state on the global config's model, `client=<id>` that client's model as it was evaluated
-    at the last save. Returns a `BuiltModel` (model in eval mode, codec, trainable names)."""
-    from fs_plugins.config import client_config, load_config
-    from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+def _run_info(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, 'run_info.json')
+    return _read_json(path, 'run_info.json of the run') if os.path.exists(path) else None
 
+
+def saved_clients(run_dir: str, info: dict | None) -> list[int]:
+    """The run's client ids: from run_info.json, else from the adapters/client_<id> folders
+    (a distributed client's results directory holds only its own)."""
+    if info and info.get('client_names'):
+        return sorted(int(k) for k in info['client_names'])
+    found = set()
+    if os.path.isdir(adapters_dir(run_dir)):
+        for name in os.listdir(adapters_dir(run_dir)):
+            tail = name[len('client_'):].split('.')[0]
+            if name.startswith('client_') and tail.isdigit():
+                found.add(int(tail))
+    return sorted(found)
+
+
+def artifact_folder(run_dir: str, client: int | None) -> str:
+    """The saved model's folder of the global state (client None) or of `client`; one clear
+    error for a missing run, an unknown client or a model never saved."""
     if not os.path.isdir(run_dir):
         raise ArtifactError(f'Run directory not found: {run_dir}')
-    info = _read_json(os.path.join(run_dir, 'run_info.json'), 'run_info.json of the run')
-    if 'config' not in info:
-        raise ArtifactError(f'{run_dir}/run_info.json holds no config (written by an older version)')
-    cfg = load_config(overrides=info['config'])
-    overrides = info.get('client_cfgs') or {}
     if client is None:
-        folder, ccfg = global_dir(run_dir), cfg
+        folder = global_dir(run_dir)
     else:
-        known = sorted(int(k) for k in info.get('client_names', {})) or \
-            list(range(1, int(cfg.federate.client_num) + 1))
-        if not isinstance(client, int) or client not in known:
-            raise ArtifactError(f'Client {client!r} is not a client of the run {run_dir} '
-                                f'(clients {known[0]} .. {known[-1]})' if known else
-                                f'Client {client!r} is not a client of the run {run_dir}')
+        known = saved_clients(run_dir, _run_info(run_dir))
+        if isinstance(client, bool) or not isinstance(client, int) or client not in known:
+            listed = f'clients {known[0]} .. {known[-1]}' if known else 'no client model saved'
+            raise ArtifactError(f'Client {client!r} is not a client of the run {run_dir} ({listed})')
         folder = client_dir(run_dir, client)
-        ccfg = client_config(cfg, overrides.get(str(client)))
     folder = readable_dir(folder)
     if not os.path.isdir(folder):
         who = 'global state' if client is None else f'client {client}'
         raise ArtifactError(f'No saved model of the {who} in {run_dir}: {folder} is missing '
                             f'(was the run stopped before its first save?)')
+    return folder
+
+
+def read_artifact(folder: str) -> dict:
+    """The folder's fsplug_artifact.json, its files checked against the sizes and hashes in it."""
     meta = _read_json(os.path.join(folder, ARTIFACT_JSON), 'Saved model description')
     if meta.get('format') != FORMAT:
         raise ArtifactError(f'{folder}/{ARTIFACT_JSON}: format {meta.get("format")!r}, '
                             f'this version reads {FORMAT}')
-    _check_base(meta, ccfg, folder)
     _check_files(folder, meta)
-    method = get_method_class(cfg.fsplug.method)(ccfg)
-    built = build_model(ccfg, method)
+    return meta
+
+
+def saved_config(run_dir: str, meta: dict, client: int | None, folder: str):
+    """The config that built the saved model (stored with it), checked against the run's
+    config in run_info.json when the run directory has one."""
+    from fs_plugins.config import client_config, load_saved_config
+    if 'config' not in meta:
+        raise ArtifactError(f'{folder}/{ARTIFACT_JSON} holds no config (written by an older version)')
+    info = _run_info(run_dir)
+    if info and 'config' in info:
+        run_cfg = load_saved_config(info['config'], f'{run_dir}/run_info.json')
+        if client is not None:
+            run_cfg = client_config(run_cfg, (info.get('client_cfgs') or {}).get(str(client)))
+        _check_base(meta, run_cfg, folder)
+    return load_saved_config(meta['config'], f'{folder}/{ARTIFACT_JSON}')
+
+
+def load_trained(run_dir: str, client: int | None = None, device: str = 'cpu'):
+    """Rebuilds a run's trained model from its results directory: `client=None` the global
+    state on the global config's model, `client=<id>` that client's model as it was evaluated
+    at the last save. Returns a `BuiltModel` (model in eval mode, codec, trainable names)."""
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.models.builders import build_model
+
+    folder = artifact_folder(run_dir, client)
+    meta = read_artifact(folder)
+    cfg = saved_config(run_dir, meta, client, folder)
+    method = get_method_class(cfg.fsplug.method)(cfg)
+    built = build_model(cfg, method)
     model = built.model
-    if client is None:
-        path = os.path.join(folder, GLOBAL_FILE)
-        _copy_checked(model, _load_safetensors(path), path)
-    else:
-        saved_print = meta.get('base_config', {})
-        if saved_print and saved_print != base_fingerprint(model):
-            raise ArtifactError(f'{folder} was saved from a base model with config {saved_print}; '
-                                f'the run config builds {base_fingerprint(model)} '
-                                f'(model {base_info(ccfg)["model"]})')
-        _load_peft(model, folder, list(meta.get('peft_adapters', [])))
-        kinds = {n: d['kind'] for n, d in meta.get('tensors', {}).items()}
-        if any(k in ('trained', 'extra') for k in kinds.values()):
-            path = os.path.join(folder, MODULES_FILE)
-            tensors = _load_safetensors(path)
-            if set(tensors) != {n for n, k in kinds.items() if k in ('trained', 'extra')}:
-                raise ArtifactError(f'{path} does not hold the tensors {ARTIFACT_JSON} lists')
-            _copy_checked(model, {n: t for n, t in tensors.items() if kinds[n] == 'trained'}, path)
-            method.restore_artifact(model, {n: t for n, t in tensors.items() if kinds[n] == 'extra'})
+    saved_print = meta.get('base_config', {})
+    if saved_print and saved_print != base_fingerprint(model):
+        raise ArtifactError(f'{folder} was saved from a base model with config {saved_print}; '
+                            f'the run config builds {base_fingerprint(model)} '
+                            f'(model {base_info(cfg)["model"]})')
+    _load_peft(model, folder, list(meta.get('peft_adapters', [])))
+    kinds = {n: d['kind'] for n, d in meta.get('tensors', {}).items()}
+    stored = {n for n, k in kinds.items() if k != 'peft'}
+    if stored:
+        path = os.path.join(folder, GLOBAL_FILE if client is None else MODULES_FILE)
+        tensors = _load_safetensors(path)
+        if set(tensors) != stored:
+            raise ArtifactError(f'{path} does not hold the tensors {ARTIFACT_JSON} lists')
+        _copy_checked(model, {n: t for n, t in tensors.items() if kinds[n] != 'extra'}, path)
+        method.restore_artifact(model, {n: t for n, t in tensors.items() if kinds[n] == 'extra'})
     model.to(device)
     model.eval()
     return built

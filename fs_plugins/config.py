@@ -18,7 +18,7 @@ from fs_plugins.schema.validate import fs_defaults, fsplug_defaults, validate
 
 __all__ = ['Cfg', 'ConfigError', 'load_config', 'parse_opts', 'read_yaml', 'to_plain',
            'client_overrides', 'client_config', 'model_path', 'data_name', 'resolve_derived',
-           'import_extra_modules', 'merge']
+           'import_extra_modules', 'merge', 'load_saved_config']
 
 
 class Cfg(dict):
@@ -127,6 +127,31 @@ def load_config(path: str | None = None, opts: list[str] | None = None,
     cfg = Cfg.wrap(merged)
     resolve_derived(cfg)
     return cfg
+
+
+def known_part(plain: Mapping, known: Mapping) -> dict:
+    """The keys of `plain` present in the key tree `known` (values under a key whose default
+    is not a mapping are kept whole)."""
+    out = {}
+    for key, value in plain.items():
+        if key not in known:
+            continue
+        if isinstance(value, Mapping) and isinstance(known[key], Mapping) and known[key]:
+            out[key] = known_part(value, known[key])
+        else:
+            out[key] = value
+    return out
+
+
+def load_saved_config(plain: Mapping, source: str) -> Cfg:
+    """A config stored by a run (run_info.json, a saved model's JSON), loaded for the embedded
+    code: FederatedScope's own keys the plugin does not read are dropped first."""
+    import_extra_modules((plain.get('fsplug') or {}).get('import_modules', []))
+    known = {**fs_defaults(), 'fsplug': fsplug_defaults()}
+    try:
+        return load_config(overrides=known_part(plain, known))
+    except ConfigError as exc:
+        raise ConfigError([f'{source}: {p}' for p in exc.problems]) from None
 
 
 def resolve_derived(cfg) -> None:

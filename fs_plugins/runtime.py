@@ -46,7 +46,10 @@ def run_info(cfg, runner: str, client_names: dict, client_cfgs: dict | None = No
             'client_cfgs': {str(k): to_plain(v) for k, v in (client_cfgs or {}).items()}}
 
 
-def initial_shared_state(cfg, method: Method) -> dict:
-    """The shared parameters of a freshly built global model (the server's starting point)."""
+def initial_global(cfg, method: Method):
+    """The server's starting point, from a freshly built global model (then dropped): its
+    shared parameters and the layout the global state is saved with (artifacts.ModelLayout)."""
+    from fs_plugins.artifacts import model_layout
     built = build_model(cfg, method)
-    return method.shared_tensors(built.model, built.trainable_names)
+    return (method.shared_tensors(built.model, built.trainable_names),
+            model_layout(built.model, built.trainable_names))

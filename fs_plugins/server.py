@@ -20,8 +20,10 @@ def sample_clients(seed: int, round_idx: int, client_ids, k: int) -> list[int]:
 
 
 class ServerProcedure:
-    def __init__(self, cfg, method: Method, initial_shared: dict, results: ResultsLog):
-        self.cfg, self.method, self.results = cfg, method, results
+    def __init__(self, cfg, method: Method, initial_shared: dict, results: ResultsLog,
+                 layout=None):
+        """layout: the global model's `artifacts.ModelLayout` (for saving the global state)."""
+        self.cfg, self.method, self.results, self.layout = cfg, method, results, layout
         results.client_groups = method.client_groups
         self.state = method.init_server_state(initial_shared)
         self.bytes_down: dict[int, int] = {}
@@ -54,13 +56,17 @@ class ServerProcedure:
         return rounds_done % freq == 0 or rounds_done == total
 
     def should_save(self, rounds_done: int) -> bool:
+        return self.should_save_round(self.cfg, rounds_done)
+
+    @staticmethod
+    def should_save_round(cfg, rounds_done: int) -> bool:
         """Models are written at the end and every fsplug.save.freq rounds (0: end only)."""
-        freq = int(self.cfg.fsplug.save.freq)
-        return rounds_done == int(self.cfg.federate.total_round_num) or (
+        freq = int(cfg.fsplug.save.freq)
+        return rounds_done == int(cfg.federate.total_round_num) or (
             freq > 0 and rounds_done % freq == 0)
 
-    def save_global(self, run_dir: str, round_idx: int, trainable_names=None) -> int:
+    def save_global(self, run_dir: str, round_idx: int) -> int:
         """Writes the global shared state under `run_dir`/adapters/global/ (fs_plugins.artifacts)."""
         from fs_plugins.artifacts import global_dir, save_global_state
         return save_global_state(global_dir(run_dir), round_idx, self.cfg, self.method,
-                                 self.state['global'], trainable_names)
+                                 self.state['global'], self.layout)

@@ -11,7 +11,7 @@ from fs_plugins.data.federated import build_federated_records
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
 from fs_plugins.results import ResultsLog
-from fs_plugins.runtime import initial_shared_state
+from fs_plugins.runtime import initial_global
 from fs_plugins.server import ServerProcedure
 from fs_plugins.sim import runner as runner_mod
 from helpers import tiny_config, write_yaml
@@ -80,7 +80,7 @@ def test_server_state_and_personalised_content(tmp_path):
     """(c)+(e) the server keeps state across rounds and sends each client its own content."""
     cfg = _cfg(tmp_path)
     method = get_method_class('toy_phased')(cfg)
-    server = ServerProcedure(cfg, method, initial_shared_state(cfg, method),
+    server = ServerProcedure(cfg, method, initial_global(cfg, method)[0],
                              ResultsLog(str(tmp_path / 'res'), {}))
     clients = {cid: _client(cfg, cid) for cid in (1, 2, 3)}
     for round_idx in range(2):

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from fs_plugins.config import load_config
 from fs_plugins.sim.runner import run_embedded
@@ -57,6 +58,30 @@ def assert_same_numbers(fs_rows, emb_rows):
                 assert value == b[name], (key(a), name)
 
 
+def assert_same_artifacts(fs_run, emb_run, folders=None):
+    """The saved models (fs_plugins.artifacts) of an FS run equal the embedded run's: the
+    same folders, files and tensors (the JSON differs only in paths and FS's own keys)."""
+    import safetensors.torch
+    fs_adapters, emb_adapters = os.path.join(fs_run, 'adapters'), os.path.join(emb_run, 'adapters')
+    folders = folders or sorted(os.listdir(emb_adapters))
+    assert sorted(os.listdir(fs_adapters)) == sorted(folders)
+    for folder in folders:
+        for root, _, files in os.walk(os.path.join(emb_adapters, folder)):
+            rel = os.path.relpath(root, emb_adapters)
+            fs_root_dir = os.path.join(fs_adapters, rel)
+            assert sorted(f for f in os.listdir(fs_root_dir)
+                          if os.path.isfile(os.path.join(fs_root_dir, f))) == sorted(files), rel
+            for name in (f for f in files if f.endswith('.safetensors')):
+                fs_t = safetensors.torch.load_file(os.path.join(fs_adapters, rel, name))
+                emb_t = safetensors.torch.load_file(os.path.join(root, name))
+                assert set(fs_t) == set(emb_t), (rel, name)
+                for key in emb_t:   # float summation order differs a little between processes
+                    torch.testing.assert_close(fs_t[key], emb_t[key], rtol=1e-3, atol=1e-4)
+        with open(os.path.join(fs_adapters, folder, 'fsplug_artifact.json')) as handle:
+            assert json.load(handle)['round'] == json.load(
+                open(os.path.join(emb_adapters, folder, 'fsplug_artifact.json')))['round']
+
+
 def _embedded_rows(tmp_path, cfg_dict, client_cfgs=None):
     cfg_dict = deep_update(json.loads(json.dumps(cfg_dict)),
                            {'fsplug': {'results_dir': str(tmp_path / 'embedded')}})
@@ -93,6 +118,26 @@ def test_fs_standalone_matches_embedded(tmp_path, method):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'Per-client results' in proc.stdout
     assert_same_numbers(read_rows(str(tmp_path / 'fs')), _embedded_rows(tmp_path, cfg, client_cfgs))
+    assert_same_artifacts(str(tmp_path / 'fs'), str(tmp_path / 'embedded'))
+
+
+def test_fs_saves_models_at_rounds_without_evaluation(tmp_path):
+    """save.freq 1 with evaluation only at the end: the server sends its evaluation content
+    to every client at each save round (SAVE_MSG) and the clients save; same models as the
+    embedded runner; the saved client model reloads with the run's final logits."""
+    from fs_plugins import load_trained
+    cfg = tiny_config(tmp_path, 'fedmole', rounds=3, steps=2, eval={'freq': 3},
+                      fsplug={'save': {'freq': 1}})
+    deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
+    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    for round_idx in range(3):
+        assert f'client 2 model (round {round_idx})' in log
+        assert f'global state (round {round_idx})' in log
+    assert_same_numbers(read_rows(str(tmp_path / 'fs')), _embedded_rows(tmp_path, cfg))
+    assert_same_artifacts(str(tmp_path / 'fs'), str(tmp_path / 'embedded'))
+    assert load_trained(str(tmp_path / 'fs'), client=2).model is not None
 
 
 def _free_ports(n):
@@ -151,6 +196,11 @@ def test_fs_distributed_matches_embedded(tmp_path, method):
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:]
     assert outputs[0].count('Per-client results') == 1
     assert_same_numbers(read_rows(str(tmp_path / 'dist_server0')), _embedded_rows(tmp_path, base))
+    # the server writes the global state, each client process its own model
+    embedded = str(tmp_path / 'embedded')
+    assert_same_artifacts(str(tmp_path / 'dist_server0'), embedded, ['global'])
+    for cid in (1, 2):
+        assert_same_artifacts(str(tmp_path / f'dist_client{cid}'), embedded, [f'client_{cid}'])
 
 
 def test_cli_runs_through_fs(tmp_path):

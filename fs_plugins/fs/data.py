@@ -4,6 +4,7 @@ from __future__ import annotations
 from fs_plugins.config import client_overrides
 from fs_plugins.data.federated import build_federated_records
 from fs_plugins.fs.config import fs_known_keys
+from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
 # client id -> name (source dataset), for result labels on the server of this process
 CLIENT_NAMES: dict[int, str] = {}
@@ -12,6 +13,7 @@ CLIENT_NAMES: dict[int, str] = {}
 def lookup_data(config, client_cfgs):
     if not str(config.data.type).endswith('@' + DATA_TYPE_SUFFIX):
         return None
+    share_fs_logging()   # FS has configured its logger by now
     records = build_federated_records(config)
     config.federate.client_num = records.client_num
     # every client entry checked (ids, keys, values) before any model is built

@@ -8,7 +8,10 @@ What they change in FS's flow, and why:
   so content may be personalised; clients are sampled by the plugin's seeded sampler;
 - client -> server: shared parameters plus the method's extra payload and train metrics;
 - aggregation: `method.aggregate` on decoded updates (no FS aggregator involved);
-- `finish` is sent once (upstream sends it twice in distributed mode, which can hang).
+- `finish` is sent once (upstream sends it twice in distributed mode, which can hang);
+- models are saved as artifacts (fs_plugins.artifacts) at the rounds `should_save` names: the
+  server writes the global state, every client its own model after it receives the evaluation
+  content (or, at a save round without evaluation, a SAVE_MSG with that content).
 """
 from __future__ import annotations
 
@@ -21,14 +24,17 @@ from federatedscope.core.workers import Client, Server
 
 from fs_plugins.client import ClientProcedure
 from fs_plugins.fs.data import CLIENT_NAMES
+from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.fs.wire import MARKER, decode_update, encode_tensors, encode_update
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
 from fs_plugins.results import ResultsLog
-from fs_plugins.runtime import initial_shared_state, predictions_path, results_dir, run_info
+from fs_plugins.runtime import initial_global, predictions_path, results_dir, run_info
 from fs_plugins.server import ServerProcedure
 
 logger = logging.getLogger(__name__)
+
+SAVE_MSG = 'fsplug_save'   # server -> client: the evaluation content; the client saves its model
 
 
 class DeferredModel(torch.nn.Module):
@@ -74,14 +80,16 @@ class PluginServer(Server):
     def __init__(self, ID=-1, state=0, config=None, data=None, model=None, client_num=5,
                  total_round_num=10, device='cpu', strategy=None, unseen_clients_id=None,
                  **kwargs):
+        share_fs_logging()
         method = get_method_class(config.fsplug.method)(config)
-        model = GlobalState(initial_shared_state(config, method))
+        shared, layout = initial_global(config, method)
+        model = GlobalState(shared)
         super().__init__(ID, state, config, data, model, client_num, total_round_num, device,
                          strategy, unseen_clients_id, **kwargs)
         results = ResultsLog(results_dir(config, outdir_is_final=True),
                              run_info(config, 'federatedscope', CLIENT_NAMES))
         # built after FS's __init__, which may have restored the global state from a checkpoint
-        self.procedure = ServerProcedure(config, method, model.state_dict(), results)
+        self.procedure = ServerProcedure(config, method, model.state_dict(), results, layout)
         self._finish_sent = False
 
     def broadcast_model_para(self, msg_type='model_para', sample_client_num=-1,
@@ -94,12 +102,16 @@ class PluginServer(Server):
                 self.sampler.change_state(receivers, 'working')
         else:
             receivers = client_ids
-        rnd = self.state - 1 if msg_type == 'evaluate' else self.state
+        # evaluation content belongs to the round just done
+        self._send_content(msg_type, receivers, self.state if training else self.state - 1)
+
+    def _send_content(self, msg_type: str, receivers, round_idx: int) -> None:
+        training = msg_type == 'model_para'
         for cid in receivers:
             content = self.procedure.content_for(cid, for_training=training)
             self.comm_manager.send(Message(
                 msg_type=msg_type, sender=self.ID, receiver=[cid],
-                state=min(rnd, self.total_round_num), timestamp=self.cur_timestamp,
+                state=min(round_idx, self.total_round_num), timestamp=self.cur_timestamp,
                 content=encode_tensors(content, _is_distributed(self._cfg))))
 
     def _perform_federated_aggregation(self):
@@ -109,7 +121,18 @@ class PluginServer(Server):
             logger.warning(f'fsplug: ignoring {len(self.staled_msg_buffer)} stale update(s)')
         self.procedure.aggregate(self.state, updates)
         self.models[0].load_state_dict(self.procedure.state['global'])
+        self._save_models(rounds_done=self.state + 1)
         return len(updates)
+
+    def _save_models(self, rounds_done: int) -> None:
+        """The global state here; the clients save theirs when they evaluate this round, or on
+        SAVE_MSG when this round is not evaluated (FS evaluates at the same rounds)."""
+        if not self.procedure.should_save(rounds_done):
+            return
+        self.procedure.save_global(self.procedure.results.out_dir, rounds_done - 1)
+        if not self.procedure.should_evaluate(rounds_done):
+            self._send_content(SAVE_MSG, sorted(self.comm_manager.get_neighbors().keys()),
+                               rounds_done - 1)
 
     def callback_funcs_for_metrics(self, message):
         self.procedure.results.log_eval(int(message.state), int(message.sender),
@@ -137,14 +160,29 @@ class PluginClient(Client):
                  device='cpu', strategy=None, is_unseen_client=False, *args, **kwargs):
         if _is_distributed(config) and ID == -1 and int(config.distribute.data_idx) > 0:
             ID = int(config.distribute.data_idx)  # results and seeds follow the data, not join order
+        share_fs_logging()
         method = get_method_class(config.fsplug.method)(config)
         built = build_model(config, method)
         super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
                          is_unseen_client, *args, **kwargs)
         procedure = ClientProcedure(self.ID, config, method, built, data, _torch_device(device))
-        procedure.predictions_path = predictions_path(
-            results_dir(config, outdir_is_final=True), self.ID)
+        self.run_dir = results_dir(config, outdir_is_final=True)
+        procedure.predictions_path = predictions_path(self.run_dir, self.ID)
         self.trainer.bind(procedure)
+        self.register_handlers(SAVE_MSG, self.callback_funcs_for_save, [None])
+
+    def _save_if_due(self, round_idx: int) -> None:
+        procedure = self.trainer.procedure
+        if procedure is not None and ServerProcedure.should_save_round(procedure.cfg, round_idx + 1):
+            procedure.save_model(self.run_dir, round_idx)
+
+    def callback_funcs_for_evaluate(self, message):
+        super().callback_funcs_for_evaluate(message)
+        self._save_if_due(int(message.state))
+
+    def callback_funcs_for_save(self, message):
+        self.trainer.update(message.content)
+        self._save_if_due(int(message.state))
 
     def callback_funcs_for_model_para(self, message):
         self.state = message.state

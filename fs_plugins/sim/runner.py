@@ -13,8 +13,7 @@ from fs_plugins.data.federated import build_federated_records
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
 from fs_plugins.results import ResultsLog
-from fs_plugins.runtime import (device_for, initial_shared_state, predictions_path, results_dir,
-                                run_info)
+from fs_plugins.runtime import device_for, initial_global, predictions_path, results_dir, run_info
 from fs_plugins.server import ServerProcedure
 
 logger = logging.getLogger(__name__)
@@ -41,7 +40,8 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
     results = ResultsLog(results_dir(cfg), run_info(cfg, 'embedded', records.client_names, overrides))
     logger.info(f'fs-plugins: results -> {results.out_dir}')
     try:
-        server = ServerProcedure(cfg, method, initial_shared_state(cfg, method), results)
+        shared, layout = initial_global(cfg, method)
+        server = ServerProcedure(cfg, method, shared, results, layout)
         clients = build_clients(cfg, method_cls, records, overrides, device_for(cfg))
         for cid, client in clients.items():
             client.predictions_path = predictions_path(results.out_dir, cid)
