@@ -1,5 +1,9 @@
 """`fs-plugins run --cfg X.yaml [--client_cfg C.yaml] [--runner auto|fs|embedded] [key value ...]`
 `fs-plugins methods [--import MODULE ...]` lists the registered methods.
+`fs-plugins predict --run DIR [--client K] --input Q.jsonl [--output A.jsonl]` answers questions
+with a run's fine-tuned model; `fs-plugins eval --run DIR [--client K] --data FILE` re-evaluates
+it on another dataset; `fs-plugins export --run DIR [--client K] [--merge] --out DIR2` writes it
+as a Hugging Face folder (see fs_plugins.trained).
 
 With FederatedScope importable (and --runner auto or fs) the YAML runs through FS's own
 main.py; otherwise through the embedded runner, which says so in its first log line."""
@@ -50,6 +54,61 @@ def list_methods(modules: list[str]) -> int:
     return 0
 
 
+def _write_jsonl(rows, path: str | None) -> None:
+    import json
+    lines = ''.join(json.dumps(row, ensure_ascii=False) + '\n' for row in rows)
+    if path is None:
+        sys.stdout.write(lines)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, 'w', encoding='utf-8') as handle:
+        handle.write(lines)
+    print(f'fs-plugins: {len(rows)} answer(s) -> {path}', file=sys.stderr)
+
+
+def use_trained(args) -> int:
+    """predict / eval / export on a run's saved model; bad input ends in one line naming it."""
+    import json
+    from fs_plugins import trained
+    from fs_plugins.artifacts import ArtifactError
+    from fs_plugins.config import ConfigError
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        if args.command == 'predict':
+            _write_jsonl(trained.predict(args.run, args.input, args.client, args.batch_size,
+                                         args.max_new_tokens, args.device), args.output)
+        elif args.command == 'eval':
+            metrics = trained.evaluate(args.run, args.data, args.client, args.batch_size, args.device)
+            print(json.dumps(metrics, indent=2))
+            if args.output:
+                with open(args.output, 'w', encoding='utf-8') as handle:
+                    json.dump(metrics, handle, indent=2)
+        else:
+            out = args.out or os.path.join(args.run, 'export', 'global' if args.client is None
+                                           else f'client_{args.client}') + ('_merged' if args.merge else '')
+            print(f'fs-plugins: exported -> {trained.export(args.run, out, args.client, args.merge)}')
+    except ConfigError as exc:
+        print('fs-plugins: config error:\n' + '\n'.join(f'  {p}' for p in exc.problems),
+              file=sys.stderr)
+        return 2
+    except (ArtifactError, FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f'fs-plugins: error: {exc}', file=sys.stderr)
+        return 2
+    return 0
+
+
+def _trained_parser(sub, name: str, help: str):
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument('--run', required=True, help="a run's results directory")
+    parser.add_argument('--client', type=int, default=None,
+                        help="a client's personalised model (default: the global state)")
+    if name != 'export':
+        parser.add_argument('--batch-size', type=int, default=None,
+                            help='default: fsplug.eval.batch_size, else dataloader.batch_size')
+        parser.add_argument('--device', default=None, help='default: the run config (use_gpu)')
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog='fs-plugins', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,9 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     listing = sub.add_parser('methods', help='list the registered methods, one per line')
     listing.add_argument('--import', dest='modules', nargs='*', default=[],
                          help='modules to import first (as fsplug.import_modules)')
+    predict = _trained_parser(sub, 'predict', "answer questions with a run's fine-tuned model")
+    predict.add_argument('--input', required=True,
+                         help='.jsonl/.json: instruction records, or image + question records')
+    predict.add_argument('--output', default=None, help='answers as JSON lines (default: stdout)')
+    predict.add_argument('--max-new-tokens', type=int, default=None,
+                         help='default: fsplug.eval.max_new_tokens')
+    evaluation = _trained_parser(sub, 'eval', 'the run\'s metrics on another dataset')
+    evaluation.add_argument('--data', required=True, help='records with answers (.jsonl/.json)')
+    evaluation.add_argument('--output', default=None, help='also write the metrics as JSON')
+    export = _trained_parser(sub, 'export', 'write the model as a Hugging Face folder')
+    export.add_argument('--merge', action='store_true',
+                        help='merge the LoRA into the base weights (a full model)')
+    export.add_argument('--out', default=None,
+                        help='default: RUN/export/<global|client_K>[_merged]')
     args = parser.parse_args(argv)
     if args.command == 'methods':
         return list_methods(args.modules)
+    if args.command in ('predict', 'eval', 'export'):
+        return use_trained(args)
 
     from fs_plugins.config import ConfigError
     try:

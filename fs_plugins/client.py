@@ -173,26 +173,40 @@ class ClientProcedure:
         return self.cfg.fsplug.eval.batch_size or self.batch_size
 
     def _token_metrics(self, dataset, split: str) -> dict:
-        loss_sum, correct, tokens = 0.0, 0, 0
-        for batch in eval_batches(dataset, self.collate, self._eval_batch_size()):
-            labels = batch.pop('labels')
-            logits = self.model(**{k: v.to(self.device) for k, v in batch.items()}).logits
-            batch_loss, batch_correct, batch_tokens = answer_token_stats(logits.cpu(), labels)
-            loss_sum, correct, tokens = loss_sum + batch_loss, correct + batch_correct, tokens + batch_tokens
-        return {f'{split}_avg_loss': loss_sum / max(tokens, 1),
-                f'{split}_token_acc': correct / max(tokens, 1),
-                f'{split}_total': len(dataset)}
+        return token_metrics(self.model, dataset, self.collate, self._eval_batch_size(), split,
+                             self.device)
 
     def _generation_metrics(self, dataset, split: str) -> dict:
-        limit = self.cfg.fsplug.eval.max_gen_samples or len(dataset)
-        records = dataset.records[:limit]
-        predictions = generate_answers(self.model, self.codec, records, self._eval_batch_size(),
-                                       self.cfg.fsplug.eval.max_new_tokens, self.device)
-        references = [reference_answer(r) for r in records]
-        if self.predictions_path and split == 'test':
-            write_predictions(self.predictions_path, self.client_id, records, predictions)
-        return {f'{split}_{name}': GENERATION_METRICS[name](predictions, references)
-                for name in self.cfg.fsplug.eval.gen_metrics}
+        path = self.predictions_path if split == 'test' else None
+        return generation_metrics(self.model, self.codec, dataset.records, self.cfg.fsplug.eval,
+                                  self._eval_batch_size(), split, self.device,
+                                  predictions=(path, self.client_id) if path else None)
+
+
+def token_metrics(model, dataset, collate, batch_size: int, split: str, device='cpu') -> dict:
+    """Answer-token loss and next-token accuracy of `model` on an encoded dataset."""
+    loss_sum, correct, tokens = 0.0, 0, 0
+    for batch in eval_batches(dataset, collate, batch_size):
+        labels = batch.pop('labels')
+        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
+        batch_loss, batch_correct, batch_tokens = answer_token_stats(logits.cpu(), labels)
+        loss_sum, correct, tokens = loss_sum + batch_loss, correct + batch_correct, tokens + batch_tokens
+    return {f'{split}_avg_loss': loss_sum / max(tokens, 1),
+            f'{split}_token_acc': correct / max(tokens, 1),
+            f'{split}_total': len(dataset)}
+
+
+def generation_metrics(model, codec, records: list[dict], eval_cfg, batch_size: int, split: str,
+                       device='cpu', predictions: tuple | None = None) -> dict:
+    """fsplug.eval.gen_metrics of greedy answers to the first fsplug.eval.max_gen_samples
+    records; predictions=(path, client id) also writes the answers there."""
+    records = records[:eval_cfg.max_gen_samples or len(records)]
+    answers = generate_answers(model, codec, records, batch_size, eval_cfg.max_new_tokens, device)
+    references = [reference_answer(r) for r in records]
+    if predictions:
+        write_predictions(predictions[0], predictions[1], records, answers)
+    return {f'{split}_{name}': GENERATION_METRICS[name](answers, references)
+            for name in eval_cfg.gen_metrics}
 
 
 def generate_answers(model, codec, records: list[dict], batch_size: int, max_new_tokens: int,

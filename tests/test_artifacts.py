@@ -64,6 +64,29 @@ def test_reloaded_client_models_equal_the_run(tmp_path, method):
         assert meta['client'] == cid and meta['method'] == method and meta['round'] == 0
         assert all(f['bytes'] > 0 for f in meta['files'].values())
     _assert_same_models(results, clients)
+    _assert_merged_export_or_refusal(results.out_dir, clients[1], tmp_path / 'merged')
+
+
+def _load_exported(folder):
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model_class = getattr(transformers, config.architectures[0])
+    return model_class.from_pretrained(folder, dtype=torch.float32)
+
+
+def _assert_merged_export_or_refusal(run_dir, proc, out):
+    """Plain-LoRA methods export a merged HF model with the adapter model's logits; the
+    others (Method.hf_export_refusal, or modules of their own) are refused with the reason."""
+    from fs_plugins.trained import export, own_modules
+    reason, custom = proc.method.hf_export_refusal, own_modules(proc.model)
+    if reason or custom:
+        with pytest.raises(ArtifactError, match='Cannot export client 1 of method'):
+            export(run_dir, str(out), client=1, merge=True)
+        return
+    export(run_dir, str(out), client=1, merge=True)
+    batch = _test_batch(proc)
+    torch.testing.assert_close(_logits(_load_exported(str(out)), batch), _logits(proc.model, batch),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_reloaded_models_follow_the_client_configs(tmp_path):

@@ -71,6 +71,9 @@ class Method:
     # True when the method changes frozen base weights (then clients of one process must not
     # share them)
     modifies_frozen_weights: ClassVar[bool] = False
+    # why a client's model cannot be exported as a plain Hugging Face model (merged or as one
+    # peft adapter), e.g. forward hooks or modules of the method's own; '' when it can
+    hf_export_refusal: ClassVar[str] = ''
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -77,6 +77,7 @@ class FedMoLE(Method):
                'layers are averaged, routed experts and routers stay on the client')
     sent = "shared A, B / shared A, B (bytes = FedAvg-LoRA's)"
     config_class = FedMoLEConfig
+    hf_export_refusal = 'its routed LoRA experts and routers are modules of its own'
 
     def __init__(self, cfg):
         super().__init__(cfg)

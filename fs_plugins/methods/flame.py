@@ -144,6 +144,8 @@ class Flame(ExpertRoutingMethod):
                '(a_i^j/S_i)^t·|D_i| per expert; an expert nobody activated keeps its global value')
     sent = 'A, B + per-layer expert activation counts and their total / A, B + k_i'
     config_class = FlameConfig
+    hf_export_refusal = ("the client's rescalers (forward hooks on the MoE blocks) and its "
+                         "top-k are not part of a Hugging Face OLMoE")
 
     # ------------------------------------------------------------------ client
     def adapt_model(self, model, cfg):

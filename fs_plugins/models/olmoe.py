@@ -104,6 +104,7 @@ def _split_class(cls: type) -> type:
     if cls not in _SPLIT_CLASSES:
         _SPLIT_CLASSES[cls] = type(f'SplitGateUp{cls.__name__}', (cls,),
                                    {'gate_up_proj': property(_gate_up_proj),
+                                    'fsplug_merge_restores': True,   # fuse_expert_gate_up
                                     '__module__': __name__})
     return _SPLIT_CLASSES[cls]
 
@@ -127,6 +128,24 @@ def split_expert_gate_up(model: torch.nn.Module) -> int:
         module.__class__ = _split_class(type(module))
         module.register_parameter('gate_proj', gate)
         module.register_parameter('up_proj', up)
+        count += 1
+    return count
+
+
+def fuse_expert_gate_up(model: torch.nn.Module) -> int:
+    """The inverse of `split_expert_gate_up` (for a model without LoRA on the split tensors,
+    e.g. after merge_and_unload): transformers' own class and fused `gate_up_proj` back, so
+    the model saves in the layout transformers loads. Returns how many modules were fused."""
+    originals = {split: cls for cls, split in _SPLIT_CLASSES.items()}
+    count = 0
+    for module in list(model.modules()):
+        original = originals.get(type(module))
+        if original is None:
+            continue
+        gate, up = module._parameters.pop('gate_proj'), module._parameters.pop('up_proj')
+        module.__class__ = original
+        module.register_parameter('gate_up_proj', torch.nn.Parameter(
+            torch.cat((gate.data, up.data), dim=1), requires_grad=gate.requires_grad))
         count += 1
     return count
 
