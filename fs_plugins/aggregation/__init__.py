@@ -4,3 +4,4 @@ from fs_plugins.aggregation.lora import (  # noqa: F401
     fed_a2, fed_a2_naive, flexlora, hetlora_pad, hetlora_truncate, lora_delta_norm,
 )
 from fs_plugins.aggregation.activation import activation_aware_weights  # noqa: F401,E402
+from fs_plugins.aggregation.mosaic import align_a, align_b, rela_weights  # noqa: F401,E402

@@ -1,0 +1,328 @@
+"""FedMosaic's aggregation and alignment maths, as pure functions over tensors.
+
+RELA (relevance-guided aggregation, paper §4.1): each client keeps an EMA of a frozen small
+model's last-layer gradient (:func:`ema_update`, Eq. 2), sends a noisy, subsampled copy
+(:func:`shared_mask`, :func:`sanitise_gradient`, Eq. 3), and the server turns the cosine
+similarities of those into per-client aggregation weights (:func:`rela_weights`, Eq. 4).
+
+PQ-LoRA (§4.2, A.5): PQ-LoRA sits at the last layer of each of N_B blocks
+(:func:`pq_block_layers`, Eq. 6 / Algorithm 2). Its frozen A (r × d_in) and B (d_out × r) start
+orthonormal (:func:`orthonormal_rows`, :func:`orthonormal_columns`, Eq. 18). Before training,
+the A of a non-pivot model is fitted to the pivot's A outputs on public data (:func:`align_a`,
+Eq. 20) and projected back to orthonormal rows (:func:`nearest_orthonormal_rows`, Eqs. 21-23);
+its B is mapped through the CCA space of the two models' B outputs (:func:`cca_projections`,
+:func:`align_b`, §4.2.2).
+
+Small matrix work (SVD, QR, eigh, cosines) is done in float64. Results are float32, or float64
+when an input is float64, unless a function says otherwise. Inputs are never modified.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    'pq_block_layers', 'rela_weights', 'shared_mask', 'sanitise_gradient', 'ema_update',
+    'orthonormal_rows', 'orthonormal_columns', 'nearest_orthonormal_rows', 'align_a',
+    'a_alignment_loss', 'cca_projections', 'canonical_correlations', 'align_b',
+]
+
+
+def _result_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_matrix(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f'{name} must be a 2-D tensor, got {shape}')
+
+
+# --------------------------------------------------------------------------------------------
+# PQ-LoRA placement
+# --------------------------------------------------------------------------------------------
+
+def pq_block_layers(num_layers: int, num_blocks: int, rule: str = 'equation') -> list[int]:
+    """1-based indices of the layers that carry PQ-LoRA: the last layer of each of N_B blocks.
+
+    rule='equation' (Eq. 6): I_k = k·⌊L/N_B⌋ for k < N_B and I_{N_B} = L, so the last block
+    absorbs the L mod N_B leftover layers. rule='algorithm' (Algorithm 2): the layers
+    l = n·⌊L/N_B⌋ + (L mod N_B), n = 1..N_B, so the first block absorbs them. Both agree when
+    N_B divides L; both end at layer L.
+    """
+    if num_layers < 1:
+        raise ValueError(f'num_layers must be >= 1, got {num_layers}')
+    if not 1 <= num_blocks <= num_layers:
+        raise ValueError(f'num_blocks must be in [1, num_layers={num_layers}], got {num_blocks}')
+    size, leftover = divmod(num_layers, num_blocks)
+    if rule == 'equation':
+        return [k * size for k in range(1, num_blocks)] + [num_layers]
+    if rule == 'algorithm':
+        return [n * size + leftover for n in range(1, num_blocks + 1)]
+    raise ValueError(f"rule must be 'equation' or 'algorithm', got {rule!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# RELA
+# --------------------------------------------------------------------------------------------
+
+def ema_update(previous: torch.Tensor | None, current: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Decayed gradient ĝ(t) = (1 − α)·ĝ(t−1) + α·g(t) (Eq. 2). previous=None is ĝ(0) = 0,
+    as Algorithm 1 initialises it, giving α·g(t)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f'ratio (the EMA α) must be in [0, 1], got {ratio}')
+    if previous is None:
+        return ratio * current
+    if previous.shape != current.shape:
+        raise ValueError(f'previous has shape {tuple(previous.shape)} but current has shape '
+                         f'{tuple(current.shape)}')
+    return (1.0 - ratio) * previous + ratio * current
+
+
+def shared_mask(dim: int, keep_fraction: float, seed: int) -> torch.Tensor:
+    """The subsampling mask M of Eq. 3: a bool vector of length dim with round(N_s·dim) (at
+    least 1) True entries at positions drawn from a generator seeded with seed. Every client
+    must compare the same coordinates, so all of them call this with the same seed
+    (Algorithm 1 draws `subsample_index` once, before training)."""
+    if dim < 1:
+        raise ValueError(f'dim must be >= 1, got {dim}')
+    if not 0.0 < keep_fraction <= 1.0:
+        raise ValueError(f'keep_fraction must be in (0, 1], got {keep_fraction}')
+    count = max(1, round(keep_fraction * dim))
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(dim, dtype=torch.bool)
+    mask[torch.randperm(dim, generator=generator)[:count]] = True
+    return mask
+
+
+def sanitise_gradient(ema_grad: torch.Tensor, mask: torch.Tensor, noise_scale: float,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sanitised gradient g̃ = M ⊙ (ĝ + μ·ε), ε ~ N(0, I) (Eq. 3), returning only the kept
+    coordinates (ĝ + μ·ε)[M], which is what a client sends. ε has ĝ's shape and is drawn with
+    generator (the global RNG when None); noise_scale=0 returns ĝ[M] exactly."""
+    if mask.dtype != torch.bool:
+        raise ValueError(f'mask must be a bool tensor, got {mask.dtype}')
+    if mask.shape != ema_grad.shape:
+        raise ValueError(f'ema_grad has shape {tuple(ema_grad.shape)} but mask has shape '
+                         f'{tuple(mask.shape)}')
+    if noise_scale < 0:
+        raise ValueError(f'noise_scale must be >= 0, got {noise_scale}')
+    if noise_scale == 0:
+        return ema_grad[mask].clone()
+    noise = torch.randn(ema_grad.shape, generator=generator, dtype=ema_grad.dtype,
+                        device=ema_grad.device)
+    return (ema_grad + noise_scale * noise)[mask]
+
+
+def _cosine_matrix(vectors: torch.Tensor) -> torch.Tensor:
+    """S_ij = cos(v_i, v_j) in float64; a zero vector has cosine 0 with everything."""
+    v = vectors.detach().to(torch.float64)
+    norms = v.norm(dim=1, keepdim=True)
+    unit = torch.where(norms > 0, v / norms.clamp_min(torch.finfo(v.dtype).tiny), 0.0)
+    return (unit @ unit.T).clamp(-1.0, 1.0)
+
+
+def rela_weights(grads: torch.Tensor, tau: float = 0.5, include_self: bool = True) -> torch.Tensor:
+    """RELA aggregation weights w_ij = softmax_j(cos(g̃_i, g̃_j) / τ) (Eq. 4), an (N, N) float32
+    matrix whose rows sum to 1; client i's global module is G_i = Σ_j w_ij L_j.
+
+    grads is (N, d): one sanitised gradient per client. A zero gradient has cosine 0 with every
+    client (itself included), so its row is a softmax over zeros, never NaN.
+
+    include_self=True is Eq. 4 as written (n runs over all N clients). include_self=False drops
+    j = i from each row (the public reference code's reading); a lone client (N = 1) then still
+    keeps itself, w = [[1.0]], since there is nothing else to aggregate.
+    """
+    _check_matrix('grads', grads)
+    num_clients = grads.shape[0]
+    if num_clients < 1:
+        raise ValueError('grads has no clients (shape (0, d))')
+    if not tau > 0:
+        raise ValueError(f'tau must be > 0, got {tau}')
+    logits = _cosine_matrix(grads) / tau
+    if not include_self and num_clients > 1:
+        logits.fill_diagonal_(float('-inf'))
+    return torch.softmax(logits, dim=1).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Orthonormal A and B
+# --------------------------------------------------------------------------------------------
+
+def _orthonormal_columns64(rows: int, cols: int, generator: torch.Generator | None) -> torch.Tensor:
+    gaussian = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)
+    # Fixing the signs of diag(R) makes Q Haar-distributed rather than biased by LAPACK's choice.
+    signs = torch.sign(torch.diagonal(r))
+    return q * torch.where(signs == 0, 1.0, signs)
+
+
+def orthonormal_rows(rows: int, cols: int,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """A random (rows × cols) float32 A with orthonormal rows, A Aᵀ = I (Eq. 18, PQ-LoRA's A
+    initialisation): QR of a gaussian. Needs rows <= cols."""
+    if not 1 <= rows <= cols:
+        raise ValueError(f'orthonormal rows need 1 <= rows <= cols, got rows={rows}, cols={cols}')
+    return _orthonormal_columns64(cols, rows, generator).T.to(torch.float32)
+
+
+def orthonormal_columns(rows: int, cols: int,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """A random (rows × cols) float32 B with orthonormal columns, Bᵀ B = I (Eq. 18, PQ-LoRA's B
+    initialisation): QR of a gaussian. Needs cols <= rows."""
+    if not 1 <= cols <= rows:
+        raise ValueError(f'orthonormal columns need 1 <= cols <= rows, got rows={rows}, '
+                         f'cols={cols}')
+    return _orthonormal_columns64(rows, cols, generator).to(torch.float32)
+
+
+def nearest_orthonormal_rows(a: torch.Tensor) -> torch.Tensor:
+    """The matrix with orthonormal rows closest to a (r × d, r <= d) in Frobenius norm:
+    a = U Σ Vᵀ (thin SVD), result U Vᵀ (Eqs. 21-23; the polar factor of a).
+
+    Eq. 21 writes the constraint as A*ᵀ A* = I, which a wide r × d matrix cannot meet; the
+    reachable one, and the one U Vᵀ satisfies, is A* A*ᵀ = I_r. Returned in a's dtype (float32
+    or float64), SVD in float64.
+    """
+    _check_matrix('a', a)
+    if a.shape[0] > a.shape[1]:
+        raise ValueError(f'a has shape {tuple(a.shape)}; orthonormal rows need rows <= columns')
+    u, _, vh = torch.linalg.svd(a.detach().to(torch.float64), full_matrices=False)
+    return (u @ vh).to(_result_dtype(a))
+
+
+# --------------------------------------------------------------------------------------------
+# Aligning A (L2 fit + orthogonality regulariser)
+# --------------------------------------------------------------------------------------------
+
+def a_alignment_loss(pivot_features: torch.Tensor, inputs: torch.Tensor, a: torch.Tensor,
+                     reg: float) -> torch.Tensor:
+    """Eq. 20's objective: mean_k ‖A_i(x_k) − A_j x_k‖² + λ‖A_j A_jᵀ − I_r‖²_F, a 0-dim tensor
+    (differentiable in a). pivot_features (m, r) are A_i(x_k), inputs (m, d_j) the x_k, a the
+    (r, d_j) A_j. The regulariser uses A_j A_jᵀ (r × r), see :func:`align_a`."""
+    _check_alignment_shapes(pivot_features, inputs, a)
+    fit = (pivot_features - inputs @ a.T).pow(2).sum(dim=1).mean()
+    identity = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    return fit + reg * (a @ a.T - identity).pow(2).sum()
+
+
+def _check_alignment_shapes(pivot_features: torch.Tensor, inputs: torch.Tensor,
+                            a: torch.Tensor) -> None:
+    for name, t in (('pivot_features', pivot_features), ('inputs', inputs), ('a', a)):
+        _check_matrix(name, t)
+    m, r = pivot_features.shape
+    if inputs.shape[0] != m or a.shape != (r, inputs.shape[1]):
+        raise ValueError(f'expected pivot_features (m, r), inputs (m, d), a (r, d); got '
+                         f'{tuple(pivot_features.shape)}, {tuple(inputs.shape)}, '
+                         f'{tuple(a.shape)}')
+
+
+def align_a(pivot_features: torch.Tensor, inputs: torch.Tensor, a_init: torch.Tensor,
+            reg: float = 0.5, steps: int = 200, lr: float = 1e-2) -> torch.Tensor:
+    """Align a non-pivot model's PQ-LoRA A_j to the frozen pivot A_i (§4.2.2, Eq. 20, then
+    Eq. 23): minimise :func:`a_alignment_loss` over A_j from a_init with `steps` full-batch
+    Adam steps (float32, deterministic), then return :func:`nearest_orthonormal_rows` of the
+    result, an (r, d_j) matrix with A_j A_jᵀ = I.
+
+    pivot_features (m, r) are the pivot's A outputs A_i(x) on public data, inputs (m, d_j) the
+    other model's inputs to that layer on the same data, a_init (r, d_j) its initial A.
+
+    Eq. 20 writes the regulariser as ‖A_jᵀ A_j − I‖²_F, but A_j is r × d_j with orthonormal
+    rows (Eq. 18), so A_jᵀ A_j is a rank-r projection that can never equal I_{d_j}; the
+    identity-sized term that matches Eq. 18 is A_j A_jᵀ (r × r), used here.
+    """
+    _check_alignment_shapes(pivot_features, inputs, a_init)
+    if steps < 0:
+        raise ValueError(f'steps must be >= 0, got {steps}')
+    target = pivot_features.detach().to(torch.float32)
+    x = inputs.detach().to(torch.float32)
+    a = a_init.detach().to(torch.float32).clone().requires_grad_(True)
+    optimiser = torch.optim.Adam([a], lr=lr)
+    with torch.enable_grad():
+        for _ in range(steps):
+            optimiser.zero_grad()
+            a_alignment_loss(target, x, a, reg).backward()
+            optimiser.step()
+    return nearest_orthonormal_rows(a.detach()).to(_result_dtype(a_init))
+
+
+# --------------------------------------------------------------------------------------------
+# Aligning B (CCA)
+# --------------------------------------------------------------------------------------------
+
+def _inverse_sqrt(cov: torch.Tensor) -> torch.Tensor:
+    """C^{-1/2} of a symmetric positive definite float64 matrix, via eigh."""
+    eigenvalues, vectors = torch.linalg.eigh(cov)
+    return (vectors * eigenvalues.clamp_min(torch.finfo(cov.dtype).tiny).rsqrt()) @ vectors.T
+
+
+def cca_projections(h_pivot: torch.Tensor, h_other: torch.Tensor, r: int,
+                    eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Classic CCA between features H_i (m, d_i) and H_j (m, d_j) of the same m public samples
+    (§4.2.2): Π_i (d_i, r) and Π_j (d_j, r) such that the columns of H_i Π_i and H_j Π_j are
+    pairwise maximally correlated, canonical correlations in descending order.
+
+    Both feature sets are centred; covariances C_ii, C_jj get eps·I added (so rank-deficient
+    features, e.g. the rank-r outputs of a B, still whiten), the whitened cross-covariance
+    C_ii^{-1/2} C_ij C_jj^{-1/2} = U S Vᵀ is decomposed, and Π_i = C_ii^{-1/2} U_r,
+    Π_j = C_jj^{-1/2} V_r (S_r are the canonical correlations). eps is absolute, so features
+    on a tiny scale need a smaller eps. Computed in float64; r must be <= min(d_i, d_j).
+    """
+    _check_matrix('h_pivot', h_pivot)
+    _check_matrix('h_other', h_other)
+    m, d_i = h_pivot.shape
+    d_j = h_other.shape[1]
+    if h_other.shape[0] != m or m < 2:
+        raise ValueError(f'h_pivot and h_other need the same m >= 2 rows, got shapes '
+                         f'{tuple(h_pivot.shape)} and {tuple(h_other.shape)}')
+    if not 1 <= r <= min(d_i, d_j):
+        raise ValueError(f'r must be in [1, min(d_i={d_i}, d_j={d_j})], got r={r}')
+    hi = h_pivot.detach().to(torch.float64)
+    hj = h_other.detach().to(torch.float64)
+    hi, hj = hi - hi.mean(dim=0), hj - hj.mean(dim=0)
+    whiten_i = _inverse_sqrt(hi.T @ hi / (m - 1) + eps * torch.eye(d_i, dtype=torch.float64))
+    whiten_j = _inverse_sqrt(hj.T @ hj / (m - 1) + eps * torch.eye(d_j, dtype=torch.float64))
+    cross = whiten_i @ (hi.T @ hj / (m - 1)) @ whiten_j
+    u, _, vh = torch.linalg.svd(cross, full_matrices=False)
+    dtype = _result_dtype(h_pivot, h_other)
+    return (whiten_i @ u[:, :r]).to(dtype), (whiten_j @ vh[:r].T).to(dtype)
+
+
+def canonical_correlations(h_pivot: torch.Tensor, h_other: torch.Tensor, pi_pivot: torch.Tensor,
+                           pi_other: torch.Tensor) -> torch.Tensor:
+    """Per-dimension Pearson correlation between the columns of H_i Π_i and H_j Π_j, an (r,)
+    float64 tensor (0 where a projected column is constant)."""
+    zi = (h_pivot.detach().to(torch.float64) @ pi_pivot.detach().to(torch.float64))
+    zj = (h_other.detach().to(torch.float64) @ pi_other.detach().to(torch.float64))
+    zi, zj = zi - zi.mean(dim=0), zj - zj.mean(dim=0)
+    scale = zi.norm(dim=0) * zj.norm(dim=0)
+    covariance = (zi * zj).sum(dim=0)
+    return torch.where(scale > 0, covariance / scale.clamp_min(torch.finfo(scale.dtype).tiny),
+                       0.0)
+
+
+def align_b(b_pivot: torch.Tensor, pi_pivot: torch.Tensor, pi_other: torch.Tensor,
+            orthonormalise: bool = False) -> torch.Tensor:
+    """A non-pivot model's PQ-LoRA B_j from the pivot's B_i through the CCA space (§4.2.2):
+    B_j = (Π_j⁺)ᵀ Π_iᵀ B_i, shape (d_j, r), with b_pivot (d_i, r), pi_pivot (d_i, r),
+    pi_other (d_j, r) and ⁺ the Moore-Penrose pseudo-inverse. This is the minimum-norm B_j with
+    Π_jᵀ B_j = Π_iᵀ B_i, i.e. (z B_jᵀ) Π_j = (z B_iᵀ) Π_i for every r-dim input z of B.
+    (Eq. 19 in A.5 prints Π_i⁻¹ in place of Π_j⁺; §4.2.2 and Algorithm 4 use the other
+    model's projection, as here.)
+
+    Theorem 1 wants B with orthonormal columns, and A.5 says the map preserves them, but it does
+    not in general (Π_i, Π_j are whitening-scaled, not orthogonal). orthonormalise=True returns
+    the nearest matrix with orthonormal columns instead (U Vᵀ of the thin SVD of B_j, the same
+    post-processing as Eq. 23); the default returns the map's B_j unchanged.
+    """
+    for name, t in (('b_pivot', b_pivot), ('pi_pivot', pi_pivot), ('pi_other', pi_other)):
+        _check_matrix(name, t)
+    if b_pivot.shape[0] != pi_pivot.shape[0] or pi_pivot.shape[1] != pi_other.shape[1]:
+        raise ValueError(f'expected b_pivot (d_i, r), pi_pivot (d_i, k), pi_other (d_j, k); got '
+                         f'{tuple(b_pivot.shape)}, {tuple(pi_pivot.shape)}, '
+                         f'{tuple(pi_other.shape)}')
+    pi_i = pi_pivot.detach().to(torch.float64)
+    pi_j = pi_other.detach().to(torch.float64)
+    b_other = torch.linalg.pinv(pi_j).T @ (pi_i.T @ b_pivot.detach().to(torch.float64))
+    if orthonormalise:
+        b_other = nearest_orthonormal_rows(b_other.T).T
+    return b_other.to(_result_dtype(b_pivot, pi_pivot, pi_other))
