@@ -356,3 +356,26 @@ def test_align_b_matches_formula():
     torch.testing.assert_close(align_b(b_pivot, pi_pivot, pi_other), expected)
     # Π_jᵀ B_j = Π_iᵀ B_i, i.e. z B_jᵀ Π_j = z B_iᵀ Π_i for every z
     torch.testing.assert_close(pi_other.T @ expected, pi_pivot.T @ b_pivot)
+
+
+def test_customised_globals_follow_eq4_within_and_across_architectures():
+    from fs_plugins.aggregation.mosaic import customised_globals, rela_weights
+    torch.manual_seed(0)
+    grads = torch.randn(4, 12)
+    weights = rela_weights(grads, tau=0.5)
+    arch = ['small', 'small', 'large', 'large']
+    locals_ = [{'pq/block1.q/P': torch.randn(3, 3),
+                'conv.A': torch.randn(2, 5 if a == 'small' else 7)} for a in arch]
+    globals_ = customised_globals(locals_, weights, arch, lambda n: n.startswith('pq/'))
+    for i in range(4):
+        expected_pq = sum(weights[i, j].double() * locals_[j]['pq/block1.q/P'].double()
+                          for j in range(4)).float()
+        torch.testing.assert_close(globals_[i]['pq/block1.q/P'], expected_pq, rtol=1e-5, atol=1e-6)
+        peers = [j for j in range(4) if arch[j] == arch[i]]
+        row = weights[i, peers] / weights[i, peers].sum()
+        expected_conv = sum(w * locals_[j]['conv.A'] for w, j in zip(row, peers))
+        torch.testing.assert_close(globals_[i]['conv.A'], expected_conv, rtol=1e-5, atol=1e-6)
+    # different gradients give different customised modules
+    assert not torch.allclose(globals_[0]['pq/block1.q/P'], globals_[2]['pq/block1.q/P'])
+    with pytest.raises(ValueError, match='4 clients, weights'):
+        customised_globals(locals_, weights[:3, :3], arch, lambda n: True)

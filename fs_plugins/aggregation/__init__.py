@@ -4,4 +4,6 @@ from fs_plugins.aggregation.lora import (  # noqa: F401
     fed_a2, fed_a2_naive, flexlora, hetlora_pad, hetlora_truncate, lora_delta_norm,
 )
 from fs_plugins.aggregation.activation import activation_aware_weights  # noqa: F401,E402
-from fs_plugins.aggregation.mosaic import align_a, align_b, rela_weights  # noqa: F401,E402
+from fs_plugins.aggregation.mosaic import (  # noqa: F401,E402
+    align_a, align_b, customised_globals, pq_block_layers, rela_weights,
+)

@@ -18,12 +18,15 @@ when an input is float64, unless a function says otherwise. Inputs are never mod
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 __all__ = [
     'pq_block_layers', 'rela_weights', 'shared_mask', 'sanitise_gradient', 'ema_update',
     'orthonormal_rows', 'orthonormal_columns', 'nearest_orthonormal_rows', 'align_a',
     'a_alignment_loss', 'cca_projections', 'canonical_correlations', 'align_b',
+    'customised_globals',
 ]
 
 
@@ -147,6 +150,38 @@ def rela_weights(grads: torch.Tensor, tau: float = 0.5, include_self: bool = Tru
 # --------------------------------------------------------------------------------------------
 # Orthonormal A and B
 # --------------------------------------------------------------------------------------------
+
+def customised_globals(local_modules: list[dict[str, torch.Tensor]], weights: torch.Tensor,
+                       architectures: list, shared_across: Callable[[str], bool]
+                       ) -> list[dict[str, torch.Tensor]]:
+    """RELA's customised global module per client (Eq. 4): G_i = Σ_j w_ij L_j.
+
+    local_modules[j]: client j's uploaded tensors by name; weights: (N × N) rows from
+    :func:`rela_weights`; architectures[j]: client j's model type. A tensor for which
+    `shared_across(name)` holds (PQ-LoRA's P and Q, named by block, not by layer) is mixed over
+    every client that sent it; any other tensor only over the clients of client i's
+    architecture. In both cases row i's weights are renormalised over the clients that take
+    part, so a client whose architecture is alone keeps its own conventional LoRA."""
+    count = len(local_modules)
+    if weights.shape != (count, count) or len(architectures) != count:
+        raise ValueError(f'customised_globals: {count} clients, weights {tuple(weights.shape)}, '
+                         f'{len(architectures)} architectures')
+    out = []
+    for i in range(count):
+        merged = {}
+        for name, own in local_modules[i].items():
+            peers = [j for j in range(count) if name in local_modules[j] and
+                     (shared_across(name) or architectures[j] == architectures[i])]
+            row = weights[i, peers].to(torch.float64)
+            if float(row.sum()) <= 0:
+                merged[name] = own.clone()
+                continue
+            row = row / row.sum()
+            total = sum(w * local_modules[j][name].to(torch.float64) for w, j in zip(row, peers))
+            merged[name] = total.to(own.dtype)
+        out.append(merged)
+    return out
+
 
 def _orthonormal_columns64(rows: int, cols: int, generator: torch.Generator | None) -> torch.Tensor:
     gaussian = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
