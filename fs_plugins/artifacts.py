@@ -421,6 +421,13 @@ def load_trained(run_dir: str, client: int | None = None, device: str = 'cpu'):
     """Rebuilds a run's trained model from its results directory: `client=None` the global
     state on the global config's model, `client=<id>` that client's model as it was evaluated
     at the last save. Returns a `BuiltModel` (model in eval mode, codec, trainable names)."""
+    built, _ = load_trained_with_config(run_dir, client)
+    built.model.to(device)
+    return built
+
+
+def load_trained_with_config(run_dir: str, client: int | None = None):
+    """`load_trained` on the CPU, with the config that built the model."""
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.models.builders import build_model
 
@@ -445,6 +452,5 @@ def load_trained(run_dir: str, client: int | None = None, device: str = 'cpu'):
             raise ArtifactError(f'{path} does not hold the tensors {ARTIFACT_JSON} lists')
         _copy_checked(model, {n: t for n, t in tensors.items() if kinds[n] != 'extra'}, path)
         method.restore_artifact(model, {n: t for n, t in tensors.items() if kinds[n] == 'extra'})
-    model.to(device)
     model.eval()
-    return built
+    return built, cfg

@@ -54,6 +54,12 @@ def list_methods(modules: list[str]) -> int:
     return 0
 
 
+def _config_error(exc) -> int:
+    print('fs-plugins: config error:\n' + '\n'.join(f'  {p}' for p in exc.problems),
+          file=sys.stderr)
+    return 2
+
+
 def _write_jsonl(rows, path: str | None) -> None:
     import json
     lines = ''.join(json.dumps(row, ensure_ascii=False) + '\n' for row in rows)
@@ -88,9 +94,7 @@ def use_trained(args) -> int:
                                            else f'client_{args.client}') + ('_merged' if args.merge else '')
             print(f'fs-plugins: exported -> {trained.export(args.run, out, args.client, args.merge)}')
     except ConfigError as exc:
-        print('fs-plugins: config error:\n' + '\n'.join(f'  {p}' for p in exc.problems),
-              file=sys.stderr)
-        return 2
+        return _config_error(exc)
     except (ArtifactError, FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f'fs-plugins: error: {exc}', file=sys.stderr)
         return 2
@@ -152,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_embedded_cli(args.cfg, args.client_cfg, args.opts, 'FederatedScope not installed')
     except ConfigError as exc:
-        print('fs-plugins: config error:\n' + '\n'.join(f'  {p}' for p in exc.problems),
-              file=sys.stderr)
-        return 2
+        return _config_error(exc)
     except FileNotFoundError as exc:
         print(f'fs-plugins: error: {exc}', file=sys.stderr)
         return 2

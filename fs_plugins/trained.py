@@ -12,9 +12,9 @@ import shutil
 
 import torch
 
-from fs_plugins.artifacts import ArtifactError, artifact_folder, read_artifact
-from fs_plugins.data.instruction import load_records
-from fs_plugins.data.multimodal import image_paths, is_multimodal
+from fs_plugins.artifacts import ArtifactError, load_trained_with_config
+from fs_plugins.data.instruction import load_records, read_record_file
+from fs_plugins.data.multimodal import is_multimodal, with_absolute_images
 from fs_plugins.models.codecs import EncodedDataset, MultimodalCodec
 
 logger = logging.getLogger(__name__)
@@ -28,15 +28,8 @@ def read_prompts(path: str, multimodal: bool) -> list[dict]:
     text model, `image` + `question` records for a vision-language one (image paths relative
     to the file); answers are not needed. A record that does not fit is named."""
     _must_exist(path, 'Input file')
-    with open(path, encoding='utf-8') as handle:
-        try:
-            if path.endswith('.jsonl'):
-                records = [json.loads(line) for line in handle if line.strip()]
-            else:
-                records = json.load(handle)
-        except ValueError as exc:
-            raise ValueError(f'Input file {path} is not valid JSON / JSON lines: {exc}') from None
-    if not isinstance(records, list) or not records:
+    records = read_record_file(path)
+    if not records:
         raise ValueError(f'Input file {path} holds no records')
     folder = os.path.dirname(os.path.abspath(path))
     out = []
@@ -48,11 +41,7 @@ def read_prompts(path: str, multimodal: bool) -> list[dict]:
             if not is_multimodal(record):
                 raise ValueError(f"{where}: the run's model answers image records "
                                  f"('image' and 'question'); this record has {sorted(record)}")
-            images = [p if os.path.isabs(p) else os.path.join(folder, p) for p in image_paths(record)]
-            missing = [p for p in images if not os.path.isfile(p)]
-            if missing:
-                raise FileNotFoundError(f'Image file not found: {missing[0]} ({where})')
-            record = {**record, 'image': images[0] if isinstance(record['image'], str) else images}
+            record = with_absolute_images(record, folder, where)
         elif 'instruction' not in record:
             raise ValueError(f"{where}: the run's model answers text records ('instruction', "
                              f"optionally 'input'); this record has {sorted(record)}")
@@ -75,12 +64,11 @@ def _device(requested: str | None, cfg) -> str:
 
 
 def _load(run_dir: str, client: int | None, device: str | None):
-    """(built model, its config) of a run's client (or global state), on the device."""
-    from fs_plugins.artifacts import load_trained, saved_config
-    folder = artifact_folder(run_dir, client)
-    cfg = saved_config(run_dir, read_artifact(folder), client, folder)
+    """(built model, its config, device) of a run's client (or global state), on the device."""
+    built, cfg = load_trained_with_config(run_dir, client)
     device = _device(device, cfg)
-    return load_trained(run_dir, client, device), cfg, device
+    built.model.to(device)
+    return built, cfg, device
 
 
 # ---------------------------------------------------------------------- predict

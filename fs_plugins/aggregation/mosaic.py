@@ -147,10 +147,6 @@ def rela_weights(grads: torch.Tensor, tau: float = 0.5, include_self: bool = Tru
     return torch.softmax(logits, dim=1).to(torch.float32)
 
 
-# --------------------------------------------------------------------------------------------
-# Orthonormal A and B
-# --------------------------------------------------------------------------------------------
-
 def customised_globals(local_modules: list[dict[str, torch.Tensor]], weights: torch.Tensor,
                        architectures: list, shared_across: Callable[[str], bool]
                        ) -> list[dict[str, torch.Tensor]]:
@@ -182,6 +178,10 @@ def customised_globals(local_modules: list[dict[str, torch.Tensor]], weights: to
         out.append(merged)
     return out
 
+
+# --------------------------------------------------------------------------------------------
+# Orthonormal A and B
+# --------------------------------------------------------------------------------------------
 
 def _orthonormal_columns64(rows: int, cols: int, generator: torch.Generator | None) -> torch.Tensor:
     gaussian = torch.randn(rows, cols, generator=generator, dtype=torch.float64)

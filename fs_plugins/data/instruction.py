@@ -22,21 +22,30 @@ ALPACA_NO_INPUT = (
     "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
 
 
+def read_record_file(path: str) -> list:
+    """The records of a .jsonl (one object per line) or .json (a list) file, unchecked."""
+    with open(path, 'r', encoding='utf-8') as handle:
+        try:
+            if path.endswith('.jsonl'):
+                records = [json.loads(line) for line in handle if line.strip()]
+            elif path.endswith('.json'):
+                records = json.load(handle)
+            else:
+                raise ValueError(f"Data file {path} must end in .json or .jsonl")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f'Data file {path} is not valid JSON / JSON lines: {exc}') from None
+    if not isinstance(records, list):
+        raise ValueError(f"Data file {path} must hold a list of records")
+    return records
+
+
 def load_records(path: str) -> list[dict]:
     """Reads a .json (list of objects) or .jsonl file of instruction records (at least
     `instruction` and `output`; `input`, `category` and any other fields are kept) or of
     multimodal records (`fs_plugins.data.multimodal`, image paths made absolute)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Data file not found: {path}")
-    with open(path, 'r', encoding='utf-8') as handle:
-        if path.endswith('.jsonl'):
-            records = [json.loads(line) for line in handle if line.strip()]
-        elif path.endswith('.json'):
-            records = json.load(handle)
-        else:
-            raise ValueError(f"Data file {path} must end in .json or .jsonl")
-    if not isinstance(records, list):
-        raise ValueError(f"Data file {path} must hold a list of records")
+    records = read_record_file(path)
     if records and is_multimodal(records[0]):
         return resolve_images(records, path)
     for i, rec in enumerate(records):

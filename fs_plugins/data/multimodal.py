@@ -36,14 +36,19 @@ def resolve_images(records: list[dict], path: str) -> list[dict]:
         missing = [k for k in REQUIRED_FIELDS if k not in record]
         if missing:
             raise ValueError(f"{_record_name(record, index, path)} lacks field(s) {missing}")
-        images = [p if os.path.isabs(p) else os.path.join(folder, p) for p in image_paths(record)]
-        for image in images:
-            if not os.path.isfile(image):
-                raise FileNotFoundError(f"Image file not found: {image} "
-                                        f"({_record_name(record, index, path)})")
-        resolved.append({**record, 'id': str(record.get('id', index)),
-                         'image': images[0] if isinstance(record['image'], str) else images})
+        record = with_absolute_images(record, folder, _record_name(record, index, path))
+        resolved.append({**record, 'id': str(record.get('id', index))})
     return resolved
+
+
+def with_absolute_images(record: dict, folder: str, where: str) -> dict:
+    """The record with its image paths made absolute (relative ones are under `folder`); a
+    missing image file raises naming it and `where` (the record)."""
+    images = [p if os.path.isabs(p) else os.path.join(folder, p) for p in image_paths(record)]
+    for image in images:
+        if not os.path.isfile(image):
+            raise FileNotFoundError(f"Image file not found: {image} ({where})")
+    return {**record, 'image': images[0] if isinstance(record['image'], str) else images}
 
 
 def open_images(record: dict) -> list:
