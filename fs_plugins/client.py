@@ -35,6 +35,7 @@ class ClientProcedure:
     def __init__(self, client_id: int, cfg, method: Method, built: BuiltModel,
                  records: dict, device='cpu'):
         self.client_id, self.cfg, self.method = client_id, cfg, method
+        method.client_id = client_id
         self.model, self.codec = built.model, built.codec
         self.trainable_names = list(built.trainable_names)
         self.params = dict(self.model.named_parameters())

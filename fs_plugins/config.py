@@ -155,17 +155,22 @@ def load_saved_config(plain: Mapping, source: str) -> Cfg:
 
 
 def resolve_derived(cfg) -> None:
-    """Fills keys FS derives itself (sample_client_num from the rate)."""
+    """Fills keys FS derives itself (sample_client_num from the rate) and those the method
+    derives (`Method.resolve_config`)."""
+    from fs_plugins.methods.registry import get_method_class
     fed = cfg.federate
     if fed.sample_client_num <= 0 and fed.client_num > 0:
         rate = float(fed.sample_client_rate)
         fed.sample_client_num = max(1, int(rate * fed.client_num)) if rate > 0 else fed.client_num
+    if cfg.fsplug.method:
+        get_method_class(cfg.fsplug.method).resolve_config(cfg)
 
 
 def client_overrides(client_cfgs, cfg, fs_known: Mapping | None = None) -> dict[int, dict]:
     """Checks a `--client_cfg` mapping ({'client_3': {...}}) against the run's config and
     returns {3: {...}}. Every problem is reported, each naming its client. fs_known: FS's key
     tree under FederatedScope (see `fs_plugins.schema.validate`)."""
+    from fs_plugins.methods.registry import get_method_class
     client_num = int(cfg.federate.client_num)
     out, problems = {}, []
     for key, value in (client_cfgs or {}).items():
@@ -177,7 +182,9 @@ def client_overrides(client_cfgs, cfg, fs_known: Mapping | None = None) -> dict[
                             f"(expected client_1 .. client_{client_num})")
             continue
         override = to_plain(value) or {}
-        _, found = validate(merge(to_plain(cfg), override), fs_known)
+        merged, found = validate(merge(to_plain(cfg), override), fs_known)
+        if not found and cfg.fsplug.method:
+            found = get_method_class(cfg.fsplug.method).client_problems(to_plain(cfg), merged)
         problems += [f'--client_cfg {key}: {p}' for p in found]
         out[cid] = override
     if problems:

@@ -95,6 +95,9 @@ METHODS = ['fedavg', 'standalone', 'toy_phased', 'fed_a2', 'fedex', 'ffa', 'feds
            'fedprox', 'fedadam', 'fedyogi', 'fedadagrad', 'scaffold', 'hetlora', 'flexlora',
            'fedmole']
 METHODS.append('flame')  # on the tiny OLMoE, clients at budget levels 8, 4, 2, 1
+METHODS.append('fedmosaic')  # heterogeneous: clients 3, 4 on a wider, deeper tiny Llama
+HETEROGENEOUS = {f'client_{i}': {'model': {'type': t}} for i, t in
+                 zip((1, 2, 3, 4), ['tiny-llama@fsplug_llm'] * 2 + ['tiny-llama-large@fsplug_llm'] * 2)}
 FLAME_MODEL = {'model': {'type': 'tiny-olmoe@fsplug_llm'}, 'fsplug': {'model': {
     'builder': 'tiny_olmoe', 'lora': {'target_modules': ['q_proj', 'v_proj'], 'target_parameters': [
         'mlp.experts.gate_up_proj', 'mlp.experts.down_proj']}}}}
@@ -109,8 +112,12 @@ def test_fs_standalone_matches_embedded(tmp_path, method):
         deep_update(cfg, TOY)
     if method == 'flame':
         deep_update(cfg, FLAME_MODEL)
+    if method == 'fedmosaic':
+        deep_update(cfg, {'fsplug': {'fedmosaic': {'num_blocks': 1, 'gradient_every': 2,
+                                                   'alignment_dir': str(tmp_path / 'align')}}})
     deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
     client_cfgs = MIXED_RANKS if method in ('hetlora', 'flexlora', 'fed_a2') else None
+    client_cfgs = HETEROGENEOUS if method == 'fedmosaic' else client_cfgs
     args = ['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)]
     if client_cfgs:
         args += ['--client_cfg', write_yaml(tmp_path / 'clients.yaml', client_cfgs)]
@@ -160,21 +167,29 @@ def _wait_for_port(port, proc, timeout):
     raise AssertionError(f'FS server did not listen on 127.0.0.1:{port} within {timeout}s')
 
 
-@pytest.mark.parametrize('method', ['toy_phased', 'fedmole'])
+@pytest.mark.parametrize('method', ['toy_phased', 'fedmole', 'fedmosaic'])
 def test_fs_distributed_matches_embedded(tmp_path, method):
     """Server + 2 clients over gRPC on 127.0.0.1, with client-local state that persists across
-    rounds and phases (toy_phased with extra payloads; fedmole's routed experts and routers);
+    rounds and phases (toy_phased with extra payloads; fedmole's routed experts and routers;
+    fedmosaic with the two clients on different models, each process naming the pivot);
     bounded in time; same numbers as the embedded runner."""
     base = tiny_config(tmp_path, method, rounds=2, steps=3,
                        federate={'client_num': 2, 'sample_client_num': 2}, data={'splitter': 'iid'})
     if method == 'toy_phased':
         deep_update(base, TOY)
+    # fedmosaic: client 2 runs the wider, deeper model in its own process
+    own_model = {2: HETEROGENEOUS['client_3']} if method == 'fedmosaic' else {}
+    if method == 'fedmosaic':
+        deep_update(base, {'fsplug': {'fedmosaic': {
+            'num_blocks': 1, 'gradient_every': 2, 'alignment_dir': str(tmp_path / 'align'),
+            'pivot_builder': 'tiny_llama', 'pivot_model_type': 'tiny-llama@fsplug_llm'}}})
     server_port, *client_ports = _free_ports(3)
     procs = []
     for role, idx, port in [('server', 0, server_port), ('client', 1, client_ports[0]),
                             ('client', 2, client_ports[1])]:
-        cfg = deep_update(json.loads(json.dumps(base)), {
-            'federate': {'mode': 'distributed'},
+        cfg = deep_update(json.loads(json.dumps(base)), own_model.get(idx, {}))
+        cfg = deep_update(cfg, {
+            'federate': {'mode': 'distributed'}, 'outdir': str(tmp_path / f'exp_{role}{idx}'),
             'fsplug': {'results_dir': str(tmp_path / f'dist_{role}{idx}')},
             'distribute': {'use': True, 'role': role, 'data_idx': idx,
                            'server_host': '127.0.0.1', 'server_port': server_port,
@@ -195,7 +210,8 @@ def test_fs_distributed_matches_embedded(tmp_path, method):
     outputs = [open(tmp_path / f'{name}.log').read() for name in ('server0', 'client1', 'client2')]
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:]
     assert outputs[0].count('Per-client results') == 1
-    assert_same_numbers(read_rows(str(tmp_path / 'dist_server0')), _embedded_rows(tmp_path, base))
+    assert_same_numbers(read_rows(str(tmp_path / 'dist_server0')), _embedded_rows(
+        tmp_path, base, {f'client_{i}': c for i, c in own_model.items()} or None))
     # the server writes the global state, each client process its own model
     embedded = str(tmp_path / 'embedded')
     assert_same_artifacts(str(tmp_path / 'dist_server0'), embedded, ['global'])

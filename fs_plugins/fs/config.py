@@ -15,6 +15,7 @@ from typing import Mapping
 
 from fs_plugins.config import import_extra_modules, merge, parse_opts
 from fs_plugins.errors import ConfigError
+from fs_plugins.methods.registry import get_method_class
 from fs_plugins.metrics import REPORTED_METRICS
 from fs_plugins.schema.options import to_plain
 from fs_plugins.schema.validate import OPEN_NODE, fsplug_defaults, validate
@@ -78,6 +79,7 @@ def check_fs_cfg(cfg) -> None:
         return
     raise_problems(to_plain(cfg), fs_known_keys(cfg))
     fill_missing(cfg.fsplug, fsplug_defaults())
+    get_method_class(cfg.fsplug.method).resolve_config(cfg)
     active = [key for key, is_on in UNSUPPORTED_FS_FEATURES if is_on(cfg)]
     if active:
         raise ConfigError([f'{key} is not supported with fsplug methods; turn it off' for key in active])

@@ -78,6 +78,7 @@ class Method:
     def __init__(self, cfg):
         self.cfg = cfg
         self.hparams = self.options(cfg)
+        self.client_id: Optional[int] = None   # set by the ClientProcedure that uses it
 
     @classmethod
     def options(cls, cfg):
@@ -90,10 +91,25 @@ class Method:
         dicts, keys and types already checked); one line per problem, naming the key."""
         return []
 
+    @classmethod
+    def resolve_config(cls, cfg) -> None:
+        """Fills keys of the run's config derived from other keys (e.g. a default that is
+        another key's value), before any --client_cfg entry is merged on top."""
+
+    @classmethod
+    def client_problems(cls, run_cfg: dict, client_cfg: dict) -> list[str]:
+        """What a --client_cfg entry may not change for this method: one line per problem,
+        naming the key (plain dicts: the run's config and the client's merged one)."""
+        return []
+
     # ------------------------------------------------------------------ model
     def adapt_model(self, model: torch.nn.Module, cfg) -> torch.nn.Module:
         """Adds the method's own modules after LoRA injection; `cfg` is the client's config."""
         return model
+
+    def after_build(self, model: torch.nn.Module, codec, cfg) -> None:
+        """Work on the adapted model that needs its codec (e.g. FedMosaic's alignment on
+        public data); runs before frozen tensors are shared between clients."""
 
     # ----------------------------------------------------------------- client
     def init_client_state(self, model: torch.nn.Module, cfg) -> dict:

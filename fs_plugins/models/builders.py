@@ -97,8 +97,11 @@ def load_causal_lm(cfg, path: str) -> LoadedBase:
 
 @register_builder('tiny_llama')
 def load_tiny_llama(cfg, path: str) -> LoadedBase:
-    """A tiny random Llama built locally; `path` '' or 'tiny-llama' uses the cache dir."""
-    from fs_plugins.models.tiny import ensure_tiny_llama
+    """A tiny random Llama built locally; `path` '' or 'tiny-llama' uses the cache dir,
+    'tiny-llama-large' the wider, deeper variant (same tokenizer)."""
+    from fs_plugins.models.tiny import ensure_tiny_llama, ensure_tiny_llama_large
+    if path == 'tiny-llama-large':
+        return load_causal_lm(cfg, ensure_tiny_llama_large())
     directory = ensure_tiny_llama(None if path in ('', 'tiny-llama') else path)
     return load_causal_lm(cfg, directory)
 
@@ -195,11 +198,13 @@ def inject_adapter(model: torch.nn.Module, model_cfg, seed: int, base: LoadedBas
                               f" does not match the model: {exc}") from exc
 
 
-def share_frozen_tensors(model: torch.nn.Module, key: tuple) -> None:
-    """Points frozen parameters at tensors already loaded for `key` (same name and shape)."""
+def share_frozen_tensors(model: torch.nn.Module, key: tuple, base_params: set[int]) -> None:
+    """Points the frozen base-model parameters (ids in `base_params`) at tensors already loaded
+    for `key` (same name and shape). Frozen adapter tensors (FFA's A, FedMosaic's aligned
+    PQ-LoRA A and B) depend on the run's seed and settings and are never shared."""
     cache = _FROZEN_CACHE.setdefault(key, {})
     for name, param in model.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad or id(param) not in base_params:
             continue
         cached = cache.get(name)
         if cached is not None and cached.shape == param.shape and cached.dtype == param.dtype:
@@ -229,24 +234,32 @@ def unfreeze_switched_modules(model: torch.nn.Module, base: LoadedBase, vision_c
                     param.requires_grad_(True)
 
 
-def build_model(cfg, method) -> BuiltModel:
+def load_base(cfg) -> LoadedBase:
+    """The frozen base model (no adapter) and its codec, from fsplug.model.builder and
+    model.type."""
+    _load_builder_modules()
+    base = _BUILDERS[cfg.fsplug.model.builder](cfg, model_path(cfg))
+    for param in base.model.parameters():
+        param.requires_grad_(False)
+    return base
+
+
+def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
     """The model for one participant with config `cfg` (a client's config under --client_cfg).
 
     Adapter initialisation depends only on cfg.seed, so every runner and process builds the
     same initial adapters for the same architecture."""
-    builder_name = cfg.fsplug.model.builder
-    _load_builder_modules()
-    path = model_path(cfg)
-    base = _BUILDERS[builder_name](cfg, path)
-    for param in base.model.parameters():
-        param.requires_grad_(False)
+    builder_name, path = cfg.fsplug.model.builder, model_path(cfg)
+    base = load_base(cfg)
+    base_params = {id(p) for p in base.model.parameters()}
     model = inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'), base)
     unfreeze_switched_modules(model, base, cfg.fsplug.model.vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))
         model = method.adapt_model(model, cfg)
-    if not method.modifies_frozen_weights:
-        share_frozen_tensors(model, (builder_name, path, cfg.fsplug.model.dtype))
+        method.after_build(model, base.codec, cfg)
+    if share_frozen and not method.modifies_frozen_weights:
+        share_frozen_tensors(model, (builder_name, path, cfg.fsplug.model.dtype), base_params)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
         raise ConfigError("The model has no trainable parameters after LoRA injection; "

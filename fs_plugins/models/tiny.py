@@ -17,6 +17,11 @@ TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    initializer_range=0.2)
 # bump when TINY_CONFIG or the tokenizer corpus changes, so stale caches are not reused
 TINY_DIR_NAME = 'tiny-llama-v2'
+# a second tiny architecture with the same tokenizer but a different width and depth, for
+# federations of heterogeneous models (FedMosaic); `tiny_llama` builder path 'tiny-llama-large'
+TINY_LARGE_CONFIG = {**TINY_CONFIG, 'hidden_size': 96, 'intermediate_size': 192,
+                     'num_hidden_layers': 4}
+TINY_LARGE_DIR_NAME = 'tiny-llama-large-v1'
 SPECIAL_TOKENS = {'bos_token': '<s>', 'eos_token': '</s>', 'pad_token': '<pad>', 'unk_token': '<unk>'}
 
 
@@ -39,12 +44,12 @@ def build_tokenizer(vocab_size: int = 400):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
-def build_tiny_llama_dir(path: str, seed: int = 1234) -> None:
+def build_tiny_llama_dir(path: str, seed: int = 1234, dims: dict = TINY_CONFIG) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     tokenizer = build_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         tie_word_embeddings=False, **TINY_CONFIG)
+                         tie_word_embeddings=False, **dims)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
@@ -55,3 +60,9 @@ def build_tiny_llama_dir(path: str, seed: int = 1234) -> None:
 def ensure_tiny_llama(path: str | None = None) -> str:
     """Returns the directory of the tiny model, building it there first if needed."""
     return ensure_cached_dir(path, build_tiny_llama_dir, TINY_DIR_NAME)
+
+
+def ensure_tiny_llama_large(path: str | None = None) -> str:
+    """The directory of the wider, deeper tiny Llama (TINY_LARGE_CONFIG), built there if needed."""
+    return ensure_cached_dir(path, lambda folder: build_tiny_llama_dir(folder, 1235, TINY_LARGE_CONFIG),
+                             TINY_LARGE_DIR_NAME)

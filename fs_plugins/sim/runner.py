@@ -10,6 +10,7 @@ from fs_plugins.artifacts import save_models
 from fs_plugins.client import ClientProcedure
 from fs_plugins.config import client_config, client_overrides, resolve_derived
 from fs_plugins.data.federated import build_federated_records
+from fs_plugins.errors import ConfigError
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
 from fs_plugins.results import ResultsLog
@@ -24,8 +25,11 @@ def build_clients(cfg, method_cls, records, overrides, device) -> dict[int, Clie
     for cid in range(1, records.client_num + 1):
         ccfg = client_config(cfg, overrides.get(cid))
         method = method_cls(ccfg)
-        clients[cid] = ClientProcedure(cid, ccfg, method, build_model(ccfg, method),
-                                       records.clients[cid], device)
+        try:
+            built = build_model(ccfg, method)
+        except ConfigError as exc:
+            raise ConfigError([f'client {cid}: {p}' for p in exc.problems]) from None
+        clients[cid] = ClientProcedure(cid, ccfg, method, built, records.clients[cid], device)
     return clients
 
 

@@ -1,0 +1,371 @@
+"""FedMosaic (paper: ../shared/seeds/001_51e0ffdb9410dd34.txt): personalised federated
+fine-tuning across heterogeneous client models with PQ-LoRA and RELA.
+
+Model (§4.2, `fs_plugins.tuners.mosaic`): PQ-LoRA h = W0 x + s·B(P A x + Q) (Eq. 5) on the
+target modules of the last layer of each of N_B blocks (Eq. 6 / Algorithm 2), conventional
+LoRA on the other layers. Every layer has a local module (trains) and a frozen global one
+from the server, mixed by a learnable gate: h = W0 x + (1 − σ(β)) h_local + σ(β) h_global
+(Eq. 7, β init 0). PQ-LoRA's A, B are orthonormal and frozen; only P (init I) and Q train.
+Alignment (§4.2.2, Algorithms 3-4, `tuners.mosaic.alignment`): before training, a model type
+other than the pivot aligns its PQ A, B to the pivot's on public data, once (cached on disk).
+The pivot and RELA's W_s are one model: `pivot_builder` / `pivot_model_type`, by default the
+run's own model (the YAML's, before --client_cfg), which should be the smallest (A.3).
+
+RELA (§4.1, Algorithm 1, `tuners.mosaic.rela`): every f steps a client takes the output-layer
+gradient of the frozen W_s on its batch, subsamples it with the shared mask and noises it
+(Eq. 3), and keeps an EMA of the round means (Eq. 2), uploaded with its local modules. The
+server keeps every client's latest upload, weights w_ij = softmax_j(cos(g̃_i, g̃_j)/τ) (Eq. 4)
+and sends client i its customised global G_i = Σ_j w_ij L_j: P, Q over all clients (paired by
+block and module path, 'pq/<block>.<module>/P|Q'), conventional LoRA and any other trained
+tensor only over clients of i's model type (`aggregation.mosaic.customised_globals`).
+Local modules and the gate never leave the client.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from statistics import mean
+
+import torch
+
+from fs_plugins.aggregation.mosaic import customised_globals, rela_weights
+from fs_plugins.errors import ConfigError
+from fs_plugins.methods.base import Method
+from fs_plugins.methods.registry import register_method
+from fs_plugins.schema import option
+from fs_plugins.seeding import derive_seed
+from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR, MosaicLinear
+from fs_plugins.tuners.mosaic.model import inject_mosaic
+from fs_plugins.tuners.mosaic.rela import RelaGradients, output_layer_gradient
+
+logger = logging.getLogger(__name__)
+
+GRAD_KEY = 'fedmosaic.grad'     # the client's EMA of sanitised W_s output-layer gradients
+ARCH_KEY = 'fedmosaic.arch'     # id of the client's model type (builder + model.type)
+PIVOT_KEY = 'fedmosaic.pivot'   # id of the pivot / W_s the client aligned to and used
+PQ_PREFIX = 'pq/'               # 'pq/<block>.<module>/P|Q': PQ-LoRA tensors across model types
+GATE_NAME = f'.{MOSAIC_ATTR}.beta'
+ALIGNMENT_DIR_NAME = 'fedmosaic_alignment'
+
+
+@dataclass
+class FedMosaicConfig:
+    num_blocks: int = option(4, 'N_B: PQ-LoRA on the last layer of each of N_B blocks of the '
+                                'language model (§4.2.1; paper: 4); at most the depth of every '
+                                "client's model", ge=1)
+    placement: str = option('equation', 'block ends: equation = I_k = k·⌊L/N_B⌋, I_{N_B} = L '
+                                        '(Eq. 6); algorithm = n·⌊L/N_B⌋ + L mod N_B '
+                                        '(Algorithm 2); they differ when N_B does not divide L',
+                            choices=('equation', 'algorithm'))
+    q_init_std: float = option(0.0, 'initial Q ~ N(0, std²) (the paper does not say; 0: Q = 0, '
+                                    'so P = I, Q = 0 starts from s·B A x)', ge=0)
+    gradient_every: int = option(10, 'f: RELA takes the W_s output-layer gradient every f local '
+                                     'steps (Algorithm 1; §A.7: 10)', ge=1)
+    ema_ratio: float = option(0.5, 'a: ĝ ← (1 − a)·ĝ + a·mean of the round\'s gradients (Eq. 2, '
+                                   'Algorithm 1; §A.7: 0.5)', ge=0, le=1)
+    noise_std: float = option(1e-4, 'μ: Gaussian noise std added to the gradient (Eq. 3; §A.7: '
+                                    '1e-4)', ge=0)
+    gradient_keep: float = option(0.4, 'N_s: fraction of the gradient coordinates kept by the '
+                                       'mask all clients share (Eq. 3; §A.7: 40%); what each '
+                                       'client uploads is N_s · vocab · hidden floats of W_s',
+                                  gt=0, le=1)
+    temperature: float = option(0.5, 'τ of w_ij = softmax_j(cos(g̃_i, g̃_j)/τ) (Eq. 4; §A.7: 0.5)',
+                                gt=0)
+    include_self: bool = option(True, "whether client i's own module is in its G_i (Eq. 4 sums "
+                                      'over all j; the public reference code masks j = i)')
+    pivot_builder: str = option('', 'builder of the pivot model (alignment) and of W_s (RELA); '
+                                    "'' = the run's fsplug.model.builder (set it in every process "
+                                    'of a distributed run)')
+    pivot_model_type: str = option('', "model.type of the pivot / W_s; '' = the run's model.type. "
+                                       'Paper A.3: the smallest client model')
+    alignment: str = option('compute', 'compute: align a non-pivot model on first use and cache '
+                                       'it; require: fail unless the alignment is cached',
+                            choices=('compute', 'require'))
+    alignment_dir: str = option('', "where alignments are cached; '' = <fs_plugins cache>/"
+                                    f'{ALIGNMENT_DIR_NAME} (FSPLUG_CACHE, else ~/.cache/fs_plugins)')
+    alignment_data: str = option('', 'public data for the alignment: a .json/.jsonl record file, '
+                                     'or a builtin dataset name (its train records); '
+                                     "'' = the builtin named by data.type")
+    alignment_samples: int = option(64, 'public records used for the alignment', ge=2)
+    alignment_reg: float = option(0.5, 'λ of the orthonormality term λ‖A Aᵀ − I‖² (Eq. 20; §A.7: '
+                                       '0.5)', ge=0)
+    alignment_steps: int = option(200, 'Adam steps fitting each A to the pivot (Eq. 20; the paper '
+                                       'does not give a count)', ge=0)
+    alignment_lr: float = option(0.01, 'learning rate of those Adam steps', gt=0)
+
+
+def model_type_id(builder: str, model_type: str) -> int:
+    """A stable positive int64 naming a model type (sent as a tensor)."""
+    text = f'{builder}|{str(model_type).rsplit("@", 1)[0]}'
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], 'little')
+
+
+def is_pq_name(name: str) -> bool:
+    return name.startswith(PQ_PREFIX)
+
+
+_SMALL_MODELS: dict = {}   # (builder, model.type, dtype) -> W_s, one frozen copy per process
+
+
+@register_method
+class FedMosaic(Method):
+    name = 'fedmosaic'
+    summary = ('FedMosaic: PQ-LoRA (shared P, Q on frozen aligned orthonormal A, B) at block ends '
+               '+ gated local/global LoRA, heterogeneous models; RELA: per-client global '
+               'G_i = Σ_j softmax(cos(g̃_i, g̃_j)/τ) L_j from sanitised W_s gradients')
+    sent = ('LoRA, P, Q + sanitised W_s gradient EMA / customised global LoRA, P, Q '
+            '(P, Q across model types; LoRA within one)')
+    config_class = FedMosaicConfig
+    hf_export_refusal = ("FedMosaic's layers mix a local and a global module with a learned "
+                         "gate, and PQ-LoRA's P, Q sit between A and B: not a peft LoRA")
+
+    # ------------------------------------------------------------------ config
+    @classmethod
+    def resolve_config(cls, cfg) -> None:
+        node = cfg.fsplug.fedmosaic
+        if not node.pivot_builder:
+            node.pivot_builder = cfg.fsplug.model.builder
+        if not node.pivot_model_type:
+            node.pivot_model_type = cfg.model.type
+
+    @classmethod
+    def config_problems(cls, hparams, cfg):
+        model = cfg['fsplug']['model']
+        problems = []
+        if model['adapter'] != 'lora':
+            problems.append(f"fsplug.model.adapter = {model['adapter']!r}: fsplug.method = "
+                            f"'fedmosaic' builds PQ-LoRA on peft's LoRA; use 'lora'")
+        if model['vision']['tower_lora_targets']:
+            problems.append("fsplug.model.vision.tower_lora_targets: FedMosaic places PQ-LoRA "
+                            "by decoder layer of the language model; leave the vision tower "
+                            "without LoRA")
+        return problems
+
+    @classmethod
+    def client_problems(cls, run_cfg, client_cfg) -> list[str]:
+        """P (r × r), Q (r) and the block pairing are shared by every client: a client may
+        change its model, not r, the LoRA targets or the FedMosaic settings."""
+        problems = []
+        for path in (('fsplug', 'model', 'lora', 'r'), ('fsplug', 'model', 'lora', 'target_modules'),
+                     ('fsplug', 'fedmosaic')):
+            run_value, client_value = run_cfg, client_cfg
+            for key in path:
+                run_value, client_value = run_value[key], client_value[key]
+            if run_value != client_value:
+                problems.append(f"{'.'.join(path)} = {client_value!r} differs from the run's "
+                                f"{run_value!r}; FedMosaic shares P, Q and their block pairing "
+                                f"across all clients, so it must be the same for every client")
+        return problems
+
+    def pivot_config(self, cfg):
+        from fs_plugins.config import Cfg, to_plain
+        plain = to_plain(cfg)
+        plain['fsplug']['model']['builder'] = self.hparams.pivot_builder or plain['fsplug']['model']['builder']
+        plain['model']['type'] = self.hparams.pivot_model_type or plain['model']['type']
+        return Cfg.wrap(plain)
+
+    def _type_ids(self, cfg) -> tuple[int, int]:
+        pivot = self.pivot_config(cfg)
+        return (model_type_id(cfg.fsplug.model.builder, cfg.model.type),
+                model_type_id(pivot.fsplug.model.builder, pivot.model.type))
+
+    def is_pivot(self, cfg) -> bool:
+        own, pivot = self._type_ids(cfg)
+        return own == pivot
+
+    # ------------------------------------------------------------------- model
+    def adapt_model(self, model, cfg):
+        hp = self.hparams
+        try:
+            model.fedmosaic_pq = inject_mosaic(model, hp.num_blocks, hp.placement, hp.q_init_std,
+                                               derive_seed(cfg.seed, 'fedmosaic-init'))
+        except ValueError as exc:
+            raise ConfigError(f"fsplug.fedmosaic.num_blocks = {hp.num_blocks} does not fit "
+                              f"model.type '{cfg.model.type}': {exc}") from None
+        if not model.fedmosaic_pq:
+            raise ConfigError(f"FedMosaic: no PQ-LoRA layer on model.type '{cfg.model.type}' "
+                              f"(fsplug.model.lora.target_modules "
+                              f"{list(cfg.fsplug.model.lora.target_modules)} in no block-end "
+                              f"decoder layer)")
+        return model
+
+    def after_build(self, model, codec, cfg) -> None:
+        """A non-pivot model aligns its PQ-LoRA A, B to the pivot's (cached)."""
+        if self.is_pivot(cfg):
+            return
+        from fs_plugins.models.builders import build_model
+        from fs_plugins.tuners.mosaic.alignment import align_to_pivot
+        pivot_cfg = self.pivot_config(cfg)
+        pivot = build_model(pivot_cfg, type(self)(pivot_cfg), share_frozen=False)
+        check_same_tokenizer(codec, pivot.codec, cfg, pivot_cfg)
+        align_to_pivot(model, codec, cfg, pivot, pivot_cfg, self.hparams)
+
+    # ------------------------------------------------------------------ client
+    def init_client_state(self, model, cfg):
+        hp = self.hparams
+        rela = RelaGradients(hp.gradient_every, hp.gradient_keep, hp.noise_std, hp.ema_ratio,
+                             mask_seed=derive_seed(cfg.seed, 'fedmosaic-mask'),
+                             noise_seed=derive_seed(cfg.seed, 'fedmosaic-noise', self.client_id))
+        return {'rela': rela, 'small_cfg': self.pivot_config(cfg)}
+
+    def small_model(self, state, device):
+        """W_s on `device`: the pivot's frozen pre-trained model, loaded once per process."""
+        from fs_plugins.models.builders import load_base
+        cfg = state['small_cfg']
+        key = (cfg.fsplug.model.builder, cfg.model.type, cfg.fsplug.model.dtype, str(device))
+        if key not in _SMALL_MODELS:
+            _SMALL_MODELS[key] = load_base(cfg).model.to(device).eval()
+        return _SMALL_MODELS[key]
+
+    def loss(self, model, batch, state):
+        rela = state['rela']
+        if rela.due():
+            small = self.small_model(state, batch['input_ids'].device)
+            try:
+                rela.record(output_layer_gradient(small, batch))
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise ValueError(f"FedMosaic RELA: W_s (model.type "
+                                 f"'{state['small_cfg'].model.type}') cannot read client "
+                                 f"{self.client_id}'s batch: {exc}. W_s reads the client's "
+                                 f"batches, so every client's model needs W_s's tokenizer "
+                                 f"(and image processor)") from exc
+        return model(**batch).loss
+
+    def after_step(self, model, state):
+        state['rela'].end_step()
+
+    def shared_tensors(self, model, trainable_names):
+        """Conventional LoRA (and other trained tensors) under their names; P, Q of PQ-LoRA
+        under 'pq/<block>.<module>/P|Q'; the gates β stay local."""
+        trainable = set(trainable_names)
+        pq = model.fedmosaic_pq
+        out = {}
+        for name, param in model.named_parameters():
+            if name not in trainable or name.endswith(GATE_NAME):
+                continue
+            module, _, leaf = name.rpartition('.')
+            if module.endswith(f'.{MOSAIC_ATTR}') and leaf in ('P', 'Q'):
+                name = f'{PQ_PREFIX}{pq[module[:-len(MOSAIC_ATTR) - 1]]}/{leaf}'
+            out[name] = param.detach().to('cpu').clone()
+        return out
+
+    def client_extra(self, model, state):
+        ema = state['rela'].end_round()
+        own, pivot = self._type_ids(self.cfg)
+        return {GRAD_KEY: ema, ARCH_KEY: torch.tensor(own), PIVOT_KEY: torch.tensor(pivot)}
+
+    def client_metrics(self, model, state):
+        gates = [float(m.mosaic.gate().detach()) for m in model.modules() if isinstance(m, MosaicLinear)]
+        return {'fedmosaic_gate': mean(gates)} if gates else {}
+
+    @torch.no_grad()
+    def receive(self, model, content, state):
+        """G_i goes into the frozen global modules; any other trained tensor is loaded."""
+        modules = dict(model.named_modules())
+        by_key = {key: name for name, key in model.fedmosaic_pq.items()}
+        params = dict(model.named_parameters())
+        for name, value in content.items():
+            if is_pq_name(name):
+                key, leaf = name[len(PQ_PREFIX):].rsplit('/', 1)
+                if key not in by_key:
+                    raise KeyError(f"FedMosaic: received '{name}', but this model has no PQ-LoRA "
+                                   f"layer {key} (its PQ layers: {sorted(by_key)})")
+                target = getattr(modules[by_key[key]].mosaic, f'global_{leaf}')
+            elif '.lora_A.' in name or '.lora_B.' in name:
+                module = modules.get(name.split('.lora_')[0])
+                if not isinstance(module, MosaicLinear) or module.mosaic.pq:
+                    raise KeyError(f"FedMosaic: received '{name}', which is no conventional "
+                                   f"LoRA layer of this model")
+                target = getattr(module.mosaic, 'global_A' if '.lora_A.' in name else 'global_B')
+            elif name in params:
+                target = params[name]
+            else:
+                raise KeyError(f"FedMosaic: received '{name}', which this model does not have")
+            if target.shape != value.shape:
+                raise ValueError(f"FedMosaic: received '{name}' of shape {tuple(value.shape)}, "
+                                 f"the model's is {tuple(target.shape)}")
+            target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+    def artifact_extra(self, model, state):
+        """The global modules (buffers) and PQ-LoRA's frozen, possibly aligned, A and B."""
+        out = {n: b.detach().to('cpu').clone() for n, b in model.named_buffers()
+               if f'.{MOSAIC_ATTR}.global_' in n}
+        for name in model.fedmosaic_pq:
+            for part in ('lora_A', 'lora_B'):
+                key = f'{name}.{part}.default.weight'
+                out[key] = dict(model.named_parameters())[key].detach().to('cpu').clone()
+        return out
+
+    @torch.no_grad()
+    def restore_artifact(self, model, extra):
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        for name, value in extra.items():
+            if name not in tensors:
+                raise KeyError(f"FedMosaic: saved tensor '{name}' has no place in the model")
+            tensors[name].copy_(value.to(tensors[name].dtype))
+
+    # ------------------------------------------------------------------ server
+    def init_server_state(self, initial_shared):
+        # no single global model: every client gets its own G_i (content_for)
+        return {'global': {}, 'locals': {}, 'grads': {}, 'archs': {}, 'pivots': {}, 'custom': {}}
+
+    def aggregate(self, server_state, updates):
+        state = {key: dict(value) if isinstance(value, dict) else value
+                 for key, value in server_state.items()}
+        for update in updates:
+            missing = [k for k in (GRAD_KEY, ARCH_KEY, PIVOT_KEY) if k not in update.extra]
+            if missing:
+                raise ValueError(f'FedMosaic: client {update.client_id} sent no {missing}')
+            cid = update.client_id
+            state['locals'][cid] = update.shared
+            state['grads'][cid] = update.extra[GRAD_KEY].to(torch.float32)
+            state['archs'][cid] = int(update.extra[ARCH_KEY])
+            state['pivots'][cid] = int(update.extra[PIVOT_KEY])
+        ids = sorted(state['locals'])
+        check_consistent(ids, state)
+        weights = rela_weights(torch.stack([state['grads'][c] for c in ids]),
+                               self.hparams.temperature, self.hparams.include_self)
+        logger.info('FedMosaic RELA weights (rows: clients %s):\n%s', ids,
+                    '\n'.join(' '.join(f'{w:.3f}' for w in row) for row in weights.tolist()))
+        custom = customised_globals([state['locals'][c] for c in ids], weights,
+                                    [state['archs'][c] for c in ids], is_pq_name)
+        state['custom'] = dict(zip(ids, custom))
+        return state
+
+    def content_for(self, server_state, client_id):
+        return server_state['custom'].get(int(client_id), {})
+
+
+def check_same_tokenizer(codec, pivot_codec, cfg, pivot_cfg) -> None:
+    """RELA feeds a client's batches to W_s (the pivot's base), so both need one vocabulary."""
+    if codec.tokenizer.get_vocab() != pivot_codec.tokenizer.get_vocab():
+        raise ConfigError(f"FedMosaic: model.type '{cfg.model.type}' and the pivot / W_s "
+                          f"'{pivot_cfg.model.type}' (fsplug.fedmosaic.pivot_model_type) have "
+                          f"different tokenizers; RELA computes W_s's gradient on every client's "
+                          f"batches, so all models need W_s's tokenizer (paper: LLaVA-Llama3.2 "
+                          f"1B/3B, or the Qwen2.5 family)")
+
+
+def check_consistent(ids, state) -> None:
+    """Every client used the same pivot / W_s (same gradient size) and the same PQ shapes."""
+    first = ids[0]
+    for cid in ids[1:]:
+        if state['pivots'][cid] != state['pivots'][first]:
+            raise ValueError(f'FedMosaic: client {cid} aligned to another pivot / W_s than client '
+                             f'{first}; set fsplug.fedmosaic.pivot_builder and pivot_model_type '
+                             f'to the same model in every process')
+        if state['grads'][cid].shape != state['grads'][first].shape:
+            raise ValueError(f'FedMosaic: client {cid} sent a RELA gradient of shape '
+                             f'{tuple(state["grads"][cid].shape)}, client {first} '
+                             f'{tuple(state["grads"][first].shape)} (fsplug.fedmosaic.'
+                             f'gradient_keep must be the same everywhere)')
+    shapes: dict[str, tuple[int, tuple]] = {}
+    for cid in ids:
+        for name, value in state['locals'][cid].items():
+            if is_pq_name(name):
+                seen = shapes.setdefault(name, (cid, tuple(value.shape)))
+                if seen[1] != tuple(value.shape):
+                    raise ValueError(f"FedMosaic: client {cid} sent {name} of shape "
+                                     f"{tuple(value.shape)}, client {seen[0]} {seen[1]}: "
+                                     f"fsplug.model.lora.r must be the same for every client")

@@ -1,0 +1,204 @@
+"""FedMosaic as a method (issue 11): the tiny heterogeneous federation (2-layer pivot + 4-layer
+model), alignment (orthonormal, lower objective, cached by both models and r), RELA (the
+output-layer gradient equals autograd's; mask, noise, EMA; per-client G_i from the formula),
+what leaves the client, and bad input that fails before round 1 naming the culprit."""
+import os
+
+import pytest
+import torch
+
+from fs_plugins.aggregation.mosaic import rela_weights
+from fs_plugins.methods.base import ClientUpdate
+from fs_plugins.config import ConfigError, client_config, client_overrides, load_config, read_yaml
+from fs_plugins.methods.fedmosaic import (ARCH_KEY, GRAD_KEY, PQ_PREFIX, FedMosaic,
+                                          model_type_id)
+from fs_plugins.models.builders import build_model, load_base
+from fs_plugins.tuners.mosaic.rela import RelaGradients, output_layer_gradient
+from helpers import REPO, run_embedded_keeping_clients
+
+TINY = os.path.join(REPO, 'yamls', 'fedmosaic', 'tiny.yaml')
+CLIENTS = os.path.join(REPO, 'yamls', 'fedmosaic', 'tiny_clients.yaml')
+LARGE = 'tiny-llama-large@fsplug_llm'
+
+
+def _cfg(tmp_path, *opts):
+    return load_config(TINY, ['data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp'),
+                              'fsplug.results_dir', str(tmp_path / 'results'),
+                              'fsplug.fedmosaic.alignment_dir', str(tmp_path / 'align'), *opts])
+
+
+def _built(cfg, model_type=None):
+    ccfg = client_config(cfg, {'model': {'type': model_type}} if model_type else None)
+    method = FedMosaic(ccfg)
+    return build_model(ccfg, method), method, ccfg
+
+
+@pytest.fixture(scope='module')
+def hetero_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp('fedmosaic')
+    cfg = _cfg(tmp_path, 'federate.total_round_num', '2', 'train.local_update_steps', '6')
+    results, clients = run_embedded_keeping_clients(cfg, read_yaml(CLIENTS))
+    return cfg, results, clients
+
+
+def test_pivot_and_ws_default_to_the_runs_model(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert cfg.fsplug.fedmosaic.pivot_model_type == 'tiny-llama@fsplug_llm'
+    assert cfg.fsplug.fedmosaic.pivot_builder == 'tiny_llama'
+    large = client_config(cfg, {'model': {'type': LARGE}})
+    assert large.fsplug.fedmosaic.pivot_model_type == 'tiny-llama@fsplug_llm'
+    assert not FedMosaic(large).is_pivot(large) and FedMosaic(cfg).is_pivot(cfg)
+
+
+def test_only_p_q_gates_and_conventional_lora_train_and_what_is_sent(tmp_path):
+    built, method, _ = _built(_cfg(tmp_path), LARGE)
+    pq_modules = set(built.model.fedmosaic_pq)
+    for name in built.trainable_names:
+        module = name.split('.lora_')[0].split('.mosaic.')[0]
+        if module in pq_modules:
+            assert name.rsplit('.', 1)[-1] in ('P', 'Q', 'beta'), name
+    shared = method.shared_tensors(built.model, built.trainable_names)
+    assert not any(name.endswith('.beta') for name in shared)        # the gate stays local
+    pq = sorted(n for n in shared if n.startswith(PQ_PREFIX))
+    assert pq == sorted(f'{PQ_PREFIX}block1.{m}/{leaf}' for m in
+                        ('self_attn.q_proj', 'self_attn.v_proj', 'mlp.up_proj', 'mlp.down_proj')
+                        for leaf in ('P', 'Q'))
+    # layers 1-3 of the 4-layer model carry conventional LoRA under peft's names
+    assert {n.split('.layers.')[1].split('.')[0] for n in shared if '.lora_' in n} == {'0', '1', '2'}
+
+
+def test_alignment_is_orthonormal_lowers_the_objective_and_is_cached(tmp_path, caplog):
+    cfg = _cfg(tmp_path)
+    caplog.set_level('INFO', logger='fs_plugins.tuners.mosaic.alignment')
+    built, _, _ = _built(cfg, LARGE)
+    files = os.listdir(tmp_path / 'align')
+    assert len(files) == 1 and '_r8_' in files[0]
+    line = next(r.message for r in caplog.records if 'mean A objective' in r.message)
+    before, after = (float(v) for v in line.split('mean A objective ')[1].split(';')[0].split(' -> '))
+    assert after < 0.5 * before
+    modules = dict(built.model.named_modules())
+    for name in built.model.fedmosaic_pq:
+        a = modules[name].lora_A['default'].weight.detach()
+        torch.testing.assert_close(a @ a.T, torch.eye(a.shape[0]), atol=1e-4, rtol=0)
+        assert not modules[name].lora_A['default'].weight.requires_grad
+        assert not modules[name].lora_B['default'].weight.requires_grad
+    # the second build reads the file and gets the same factors
+    caplog.clear()
+    again, _, _ = _built(cfg, LARGE)
+    assert any('from ' in r.message for r in caplog.records)
+    for (n1, p1), (n2, p2) in zip(built.model.named_parameters(), again.model.named_parameters()):
+        torch.testing.assert_close(p1, p2, rtol=0, atol=0)
+    # another r is another alignment
+    _built(_cfg(tmp_path, 'fsplug.model.lora.r', '4'), LARGE)
+    assert sorted(f.split('_r')[1][0] for f in os.listdir(tmp_path / 'align')) == ['4', '8']
+
+
+def test_a_model_without_alignment_fails_when_required(tmp_path):
+    cfg = _cfg(tmp_path, 'fsplug.fedmosaic.alignment', 'require')
+    with pytest.raises(ConfigError, match=r"tiny-llama-large@fsplug_llm' has no alignment"):
+        _built(cfg, LARGE)
+
+
+def test_more_blocks_than_layers_fails_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"fsplug.fedmosaic.num_blocks = 3 does not fit "
+                                          r"model.type 'tiny-llama@fsplug_llm'"):
+        _built(_cfg(tmp_path, 'fsplug.fedmosaic.num_blocks', '3'))
+
+
+def test_a_client_cannot_change_the_shared_rank(tmp_path):
+    cfg = _cfg(tmp_path)
+    cfg.federate.client_num = 4
+    with pytest.raises(ConfigError) as err:
+        client_overrides({'client_3': {'model': {'type': LARGE},
+                                       'fsplug': {'model': {'lora': {'r': 4}}}}}, cfg)
+    assert any(p.startswith('--client_cfg client_3: fsplug.model.lora.r = 4 differs')
+               for p in err.value.problems)
+
+
+def test_output_layer_gradient_equals_autograd(tmp_path):
+    cfg = _cfg(tmp_path)
+    base = load_base(cfg)
+    records = [{'instruction': 'add 2 and 3', 'input': '', 'output': '5'},
+               {'instruction': 'reverse abc', 'input': '', 'output': 'cba'}]
+    batch = base.codec.collate([base.codec.encode(r) for r in records])
+    head = base.model.get_output_embeddings().weight
+    head.requires_grad_(True)
+    expected, = torch.autograd.grad(base.model(**batch).loss, [head])
+    head.requires_grad_(False)
+    torch.testing.assert_close(output_layer_gradient(base.model, batch), expected.flatten(),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_rela_gradients_mask_noise_and_ema():
+    grads = [torch.arange(10.0), torch.arange(10.0) * 3]
+    exact = RelaGradients(every=2, keep_fraction=0.5, noise_std=0.0, ema_ratio=0.5,
+                          mask_seed=7, noise_seed=1)
+    due = []
+    for _ in range(5):
+        due.append(exact.due())
+        exact.end_step()
+    assert due == [True, False, True, False, True]       # every f = 2 steps, from step 0
+    for g in grads:
+        exact.record(g)
+    mask = exact.mask
+    assert int(mask.sum()) == 5
+    first = exact.end_round()
+    torch.testing.assert_close(first, 0.5 * (2 * torch.arange(10.0))[mask])
+    exact.record(grads[0])
+    torch.testing.assert_close(exact.end_round(), 0.5 * first + 0.5 * torch.arange(10.0)[mask])
+    noisy = RelaGradients(2, 0.5, 1.0, 1.0, mask_seed=7, noise_seed=1)
+    noisy.record(grads[0])
+    assert torch.equal(noisy.mask, mask)                       # the same mask on every client
+    assert not torch.allclose(noisy.end_round(), grads[0][mask])
+
+
+def test_heterogeneous_run_trains_gates_and_fills_the_global_modules(hetero_run):
+    cfg, results, clients = hetero_run
+    evals = [r for r in results.rows if r['kind'] == 'eval']
+    assert len(evals) == 8 and all(r['test_avg_loss'] == r['test_avg_loss'] for r in evals)
+    archs = {cid: c.method._type_ids(c.cfg)[0] for cid, c in clients.items()}
+    assert archs[1] == archs[2] == model_type_id('tiny_llama', 'tiny-llama@fsplug_llm') != archs[3]
+    assert archs[3] == archs[4]
+    for proc in clients.values():
+        assert proc.state['rela'].ema is not None and proc.state['rela'].steps == 12
+        layers = [m for m in proc.model.modules() if hasattr(m, 'mosaic')]
+        assert any(float(m.mosaic.beta.detach()) != 0.0 for m in layers)       # the gate learns
+        pq = [m for m in layers if m.mosaic.pq]
+        # the global P received from the server is no longer the initial identity
+        assert any(not torch.allclose(m.mosaic.global_P, torch.eye(m.mosaic.global_P.shape[0]))
+                   for m in pq)
+    train = {r['client']: r for r in results.rows if r['kind'] == 'train' and r['round'] == 1}
+    assert train[3]['bytes_up'] > train[1]['bytes_up']   # deeper, wider model: more LoRA
+    assert all(0 < r['fedmosaic_gate'] < 1 for r in train.values())
+
+
+def test_server_content_follows_rela_weights(hetero_run):
+    cfg, results, clients = hetero_run
+    method = FedMosaic(cfg)
+    updates = []
+    for cid in (1, 2, 3, 4):
+        proc = clients[cid]
+        shared = proc.method.shared_tensors(proc.model, proc.trainable_names)
+        extra = {GRAD_KEY: torch.randn(8, generator=torch.Generator().manual_seed(cid)),
+                 ARCH_KEY: torch.tensor(proc.method._type_ids(proc.cfg)[0]),
+                 'fedmosaic.pivot': torch.tensor(proc.method._type_ids(proc.cfg)[1])}
+        updates.append(ClientUpdate(cid, 10, shared, extra))
+    state = method.aggregate(method.init_server_state({}), updates)
+    weights = rela_weights(torch.stack([u.extra[GRAD_KEY] for u in updates]), 0.5, True)
+    pq_name = f'{PQ_PREFIX}block1.self_attn.q_proj/P'
+    expected = sum(weights[0, j] * updates[j].shared[pq_name] for j in range(4))
+    torch.testing.assert_close(state['custom'][1][pq_name], expected, rtol=1e-5, atol=1e-6)
+    lora = next(n for n in updates[2].shared if '.lora_A.' in n and '.layers.2.' in n)
+    row = weights[2, 2:] / weights[2, 2:].sum()       # conventional LoRA: same model type only
+    expected = row[0] * updates[2].shared[lora] + row[1] * updates[3].shared[lora]
+    torch.testing.assert_close(state['custom'][3][lora], expected, rtol=1e-5, atol=1e-6)
+    assert lora not in state['custom'][1]
+    assert not torch.allclose(state['custom'][1][pq_name], state['custom'][2][pq_name])
+    # what a client receives lands in its frozen global modules
+    proc = clients[3]
+    proc.receive(method.content_for(state, 3))
+    module = dict(proc.model.named_modules())[lora.split('.lora_A.')[0]]
+    torch.testing.assert_close(module.mosaic.global_A, state['custom'][3][lora])
+    pq_module = dict(proc.model.named_modules())[next(
+        n for n, k in proc.model.fedmosaic_pq.items() if k == 'block1.self_attn.q_proj')]
+    torch.testing.assert_close(pq_module.mosaic.global_P, state['custom'][3][pq_name])
