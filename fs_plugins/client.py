@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from fs_plugins.data import stream
 from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
 from fs_plugins.methods.base import ClientUpdate, Method, Phase
 from fs_plugins.data.multimodal import reference_answer
@@ -22,6 +23,8 @@ from fs_plugins.models.builders import BuiltModel
 from fs_plugins.optim import build_optimizer, build_scheduler, schedule_window
 
 logger = logging.getLogger(__name__)
+
+EVAL_SPLITS = ('test', 'val', 'others')
 
 
 def expand_phases(phases: list[Phase]) -> list[Phase]:
@@ -40,18 +43,24 @@ class ClientProcedure:
         self.trainable_names = list(built.trainable_names)
         self.params = dict(self.model.named_parameters())
         self.device = torch.device(device)
-        self.train_data = EncodedDataset(records['train'], self.codec, f'client {client_id} train')
-        # held-out splits evaluated as <split>_* metrics: 'test' always, 'val' when the data has one
+        self.dynamic = bool(cfg.fsplug.data.dynamic)
+        train = records['train']
+        if self.dynamic:   # the episodic memory fills in task order
+            train = sorted(train, key=lambda r: r[stream.TASK_RANK])
+        self.train_data = EncodedDataset(train, self.codec, f'client {client_id} train')
+        # held-out splits evaluated as <split>_* metrics: 'test' always, 'val' when the data has
+        # one, 'others' (other clients' test records) with fsplug.data.evaluate_others
         self.eval_data = {split: EncodedDataset(records.get(split) or [], self.codec,
                                                 f'client {client_id} {split}')
-                          for split in ('test', 'val')}
+                          for split in EVAL_SPLITS}
         if not self.train_data:
             raise ValueError(f"Client {client_id} has no usable training records")
         self.collate = self.codec.collate
         self.predictions_path = None   # where evaluate() writes generated answers, if set
         self.batch_size = cfg.dataloader.batch_size
-        self.stream = BatchStream(self.train_data, self.collate, self.batch_size, cfg.seed,
-                                  client_id)
+        stream_class = stream.MemoryStream if self.dynamic else BatchStream
+        self.stream = stream_class(self.train_data, self.collate, self.batch_size, cfg.seed,
+                                   client_id)
         self.state = method.init_client_state(self.model, cfg)
         self.optimizer = self.scheduler = None
         self.round_idx = 0   # the federation's round (0-based), for run-level LR schedules
@@ -66,8 +75,16 @@ class ClientProcedure:
         may run several, one per phase)."""
         return local_steps(self.cfg.train, len(self.train_data), self.batch_size)
 
+    def memory_size(self, round_idx: int) -> int:
+        """PFL-Dynamic: training records in the episodic memory during round `round_idx`."""
+        ranks = [r[stream.TASK_RANK] for r in self.train_data.records]
+        counts = [ranks.count(rank) for rank in range(max(ranks) + 1)]
+        return stream.revealed(counts, round_idx, int(self.cfg.federate.total_round_num))
+
     def begin_round(self) -> int:
         """Prepares a local round; returns its optimiser steps (all phases together)."""
+        if self.dynamic:
+            self.stream.set_memory(self.memory_size(self.round_idx))
         self.step_phases = expand_phases(self.method.phases(self.steps_per_round(), self.cfg))
         steps = len(self.step_phases)
         self.model.to(self.device)
@@ -157,6 +174,9 @@ class ClientProcedure:
         """Answer-token loss and next-token accuracy on the client's own split, plus the
         generation metrics (fsplug.eval.gen_metrics) when fsplug.eval.generate is on."""
         dataset = self.eval_data.get(split)
+        if dataset and self.dynamic:   # the tasks started by round_idx (own or their owners')
+            total = int(self.cfg.federate.total_round_num)
+            dataset = dataset.subset(lambda r: stream.visible(r, self.round_idx, total))
         if not dataset:
             return {}
         self.model.to(self.device)

@@ -9,12 +9,16 @@ import json
 import math
 import os
 from collections import defaultdict
-
 from typing import Callable, Optional
 
 import torch
 
+from fs_plugins.data.stream import last_and_auc
+
 SUMMARY_COLUMNS = ('samples', 'bytes_up', 'bytes_down')
+# accuracy columns that also get <name>_auc in the summary: the mean over all evaluations, the
+# A_AUC of Koh et al. 2022 beside the last evaluation's A_last (fs_plugins.data.stream)
+AUC_OF = 'token_acc'
 
 
 def payload_bytes(tensors: dict) -> int:
@@ -69,13 +73,20 @@ class ResultsLog:
         group (`client_groups`, the mean over its clients); then the average over clients."""
         totals: dict[int, dict] = defaultdict(lambda: dict.fromkeys(SUMMARY_COLUMNS, 0))
         last_eval: dict[int, dict] = {}
+        curves: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for row in self.rows:
             cid = row['client']
             if row['kind'] == 'train':
                 for key in SUMMARY_COLUMNS:
                     totals[cid][key] += row.get(key, 0)
             else:
-                last_eval[cid] = row
+                last_eval[cid] = dict(row)
+                for key in row:
+                    if key.endswith(AUC_OF):
+                        curves[cid][key].append(row[key])
+        for cid, by_metric in curves.items():   # A_AUC beside A_last (the last evaluation)
+            for key, values in by_metric.items():
+                last_eval[cid][key + '_auc'] = last_and_auc(values)[1]
         clients = sorted(set(totals) | set(last_eval))
         metric_cols = list(dict.fromkeys(
             k for r in last_eval.values() for k in r if k not in ('round', 'client', 'kind')))

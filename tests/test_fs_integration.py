@@ -128,6 +128,20 @@ def test_fs_standalone_matches_embedded(tmp_path, method):
     assert_same_artifacts(str(tmp_path / 'fs'), str(tmp_path / 'embedded'))
 
 
+def test_fs_standalone_pfl_dynamic_matches_embedded(tmp_path):
+    """PFL-Dynamic with Others through FS: episodic memory, the visible test records and the
+    others_* split evaluated by FS's clients give the embedded runner's numbers."""
+    cfg = tiny_config(tmp_path, 'fedavg', rounds=4, steps=2, data={'splitter': 'iid'},
+                      fsplug={'results_dir': str(tmp_path / 'fs'), 'data': {
+                          'task_field': 'category', 'dynamic': True, 'task_order': 'rotated',
+                          'evaluate_others': True}})
+    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fs_rows = read_rows(str(tmp_path / 'fs'))
+    assert any('others_token_acc' in r for r in fs_rows)
+    assert_same_numbers(fs_rows, _embedded_rows(tmp_path, cfg))
+
+
 def test_fs_saves_models_at_rounds_without_evaluation(tmp_path):
     """save.freq 1 with evaluation only at the end: the server sends its evaluation content
     to every client at each save round (SAVE_MSG) and the clients save; same models as the

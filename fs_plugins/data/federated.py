@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fs_plugins import config as config_mod
-from fs_plugins.data import splitters
+from fs_plugins.data import splitters, stream
 from fs_plugins.data.builtin import ensure_builtin
 from fs_plugins.data.instruction import load_records
 from fs_plugins.seeding import derive_seed
@@ -105,10 +105,32 @@ def build_federated_records(cfg) -> FederatedRecords:
         else:
             split = _train_val_test(indices, data_cfg.test_fraction, data_cfg.val_fraction,
                                     cfg.seed, cid)
-        clients[cid] = {name: RecordList(records[i] for i in part)
-                        for name, part in split.items() if part or name != 'val'}
+        parts = {name: [records[i] for i in part] for name, part in split.items()}
+        if data_cfg.task_field:
+            parts = stream.annotate(parts, data_cfg.task_field, data_cfg.task_order, cid)
+        clients[cid] = {name: RecordList(part) for name, part in parts.items()
+                        if part or name != 'val'}
         client_names[cid] = names[cid - 1]
+    if data_cfg.evaluate_others:
+        add_others_split(clients)
+    if data_cfg.dynamic:
+        check_rounds_cover_tasks(clients, int(cfg.federate.total_round_num))
     logger.info('fsplug data: ' + ', '.join(
         f"client {c} ({client_names[c]}): " + ' / '.join(f'{len(d[s])} {s}' for s in d)
         for c, d in clients.items()))
     return FederatedRecords(clients, client_names)
+
+
+def add_others_split(clients: dict[int, dict]) -> None:
+    """Each client's 'others' split: every other client's test records (FedMosaic's 'Others')."""
+    for cid, splits in clients.items():
+        splits['others'] = RecordList(
+            {stream.OWNER: other, **r} if stream.OWNER not in r else r
+            for other, theirs in clients.items() if other != cid for r in theirs['test'])
+
+
+def check_rounds_cover_tasks(clients: dict[int, dict], total_rounds: int) -> None:
+    most = max(len({r[stream.TASK_RANK] for r in s['train']}) for s in clients.values())
+    if total_rounds < most:
+        raise ValueError(f'fsplug.data.dynamic: federate.total_round_num = {total_rounds} is '
+                         f'fewer than the {most} tasks of a client; every task needs a round')

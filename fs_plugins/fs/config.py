@@ -83,6 +83,8 @@ def check_fs_cfg(cfg) -> None:
     active = [key for key, is_on in UNSUPPORTED_FS_FEATURES if is_on(cfg)]
     if active:
         raise ConfigError([f'{key} is not supported with fsplug methods; turn it off' for key in active])
+    if cfg.fsplug.data.evaluate_others and 'others' not in cfg.eval.split:
+        cfg.eval.split.append('others')
     # FS's monitor only accepts metrics listed in eval.metrics
     for name in list(REPORTED_METRICS) + list(cfg.fsplug.eval.gen_metrics):
         if name not in cfg.eval.metrics:

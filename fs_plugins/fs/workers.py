@@ -177,6 +177,7 @@ class PluginClient(Client):
             procedure.save_model(self.run_dir, round_idx)
 
     def callback_funcs_for_evaluate(self, message):
+        self.trainer.procedure.round_idx = int(message.state)   # PFL-Dynamic: what is visible
         super().callback_funcs_for_evaluate(message)
         self._save_if_due(int(message.state))
 

@@ -170,6 +170,14 @@ class EncodedDataset(torch.utils.data.Dataset):
         self.records = [r for r, _ in kept]
         self.examples = [e for _, e in kept]
 
+    def subset(self, keep) -> 'EncodedDataset':
+        """The examples whose record satisfies keep(record), already encoded ones reused."""
+        indices = [i for i, record in enumerate(self.records) if keep(record)]
+        part = object.__new__(EncodedDataset)
+        part.codec, part.records = self.codec, [self.records[i] for i in indices]
+        part.examples = None if self.examples is None else [self.examples[i] for i in indices]
+        return part
+
     def __len__(self):
         return len(self.records)
 

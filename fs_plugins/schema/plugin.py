@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fs_plugins.data.stream import TASK_ORDERS
 from fs_plugins.schema.options import option, section
 
 # YAML format shared by both runners
@@ -101,6 +102,18 @@ class DataOptions:
                                    "their model's own format)", choices=_prompts)
     split_from_records: bool = option(False, "train / val / test from the records' own 'split' "
                                              'field (test_fraction and val_fraction unused)')
+    task_field: str = option('', "record field naming each record's task (PFL-Dynamic); '' = none")
+    dynamic: bool = option(False, "PFL-Dynamic (FedMosaic §5, A.6): a client's tasks "
+                                  '(task_field) arrive one after another over the rounds, '
+                                  'training batches come from an episodic memory of what has '
+                                  'arrived, test_* covers the tasks started so far '
+                                  '(fs_plugins.data.stream)')
+    task_order: str = option('sorted', "arrival order of a client's tasks: by name, or rotated "
+                                       '(client c starts with task (c − 1) mod T)',
+                             choices=TASK_ORDERS)
+    evaluate_others: bool = option(False, "also evaluate each client on the other clients' test "
+                                          "records, as others_* (FedMosaic's 'Others'; with "
+                                          'dynamic, the tasks their owners have started)')
 
 
 @dataclass

@@ -130,6 +130,14 @@ def _federation(cfg) -> list[str]:
     return problems
 
 
+def _task_stream(cfg) -> list[str]:
+    data = cfg['fsplug']['data']
+    if data['dynamic'] is True and not data['task_field']:
+        return ['fsplug.data.dynamic = True: needs fsplug.data.task_field (the record field '
+                "naming each record's task)"]
+    return []
+
+
 def _generation(cfg) -> list[str]:
     evaluation = cfg['fsplug']['eval']
     if evaluation['gen_metrics'] and evaluation['generate'] is not True:
@@ -143,4 +151,4 @@ def _method_rules(cfg) -> list[str]:
     return method_cls.config_problems(method_cls.options(cfg), cfg)
 
 
-RULES = (_plugin_workers, _model_and_data_types, _federation, _generation, _method_rules)
+RULES = (_plugin_workers, _model_and_data_types, _federation, _generation, _task_stream, _method_rules)

@@ -7,7 +7,7 @@ import logging
 from tqdm import tqdm
 
 from fs_plugins.artifacts import save_models
-from fs_plugins.client import ClientProcedure
+from fs_plugins.client import EVAL_SPLITS, ClientProcedure
 from fs_plugins.config import client_config, client_overrides, resolve_derived
 from fs_plugins.data.federated import build_federated_records
 from fs_plugins.errors import ConfigError
@@ -63,9 +63,12 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
             if evaluate or save:
                 for cid, client in clients.items():
                     client.receive(server.content_for(cid, for_training=False))
+                    client.round_idx = round_idx
                     if evaluate:
-                        results.log_eval(round_idx, cid,
-                                         {**client.evaluate('test'), **client.evaluate('val')})
+                        metrics = {}
+                        for split in EVAL_SPLITS:
+                            metrics.update(client.evaluate(split))
+                        results.log_eval(round_idx, cid, metrics)
             if save:
                 save_models(results.out_dir, round_idx, server, clients.values())
     finally:
