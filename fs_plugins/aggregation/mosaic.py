@@ -162,21 +162,32 @@ def customised_globals(local_modules: list[dict[str, torch.Tensor]], weights: to
     if weights.shape != (count, count) or len(architectures) != count:
         raise ValueError(f'customised_globals: {count} clients, weights {tuple(weights.shape)}, '
                          f'{len(architectures)} architectures')
-    out = []
-    for i in range(count):
-        merged = {}
-        for name, own in local_modules[i].items():
-            peers = [j for j in range(count) if name in local_modules[j] and
-                     (shared_across(name) or architectures[j] == architectures[i])]
-            row = weights[i, peers].to(torch.float64)
-            if float(row.sum()) <= 0:
-                merged[name] = own.clone()
-                continue
-            row = row / row.sum()
-            total = sum(w * local_modules[j][name].to(torch.float64) for w, j in zip(row, peers))
-            merged[name] = total.to(own.dtype)
-        out.append(merged)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+    names = dict.fromkeys(name for module in local_modules for name in module)
+    for name in names:   # one matrix product per tensor name and group of clients
+        holders = [j for j in range(count) if name in local_modules[j]]
+        groups = [holders] if shared_across(name) else [
+            [j for j in holders if architectures[j] == kind]
+            for kind in dict.fromkeys(architectures[j] for j in holders)]
+        for group in groups:
+            _mix_into(out, local_modules, weights, name, group)
     return out
+
+
+def _mix_into(out, local_modules, weights, name: str, group: list[int]) -> None:
+    """out[i][name] = Σ_j w_ij L_j[name] / Σ_j w_ij over j in group, for every i in group."""
+    shapes = {tuple(local_modules[j][name].shape) for j in group}
+    if len(shapes) > 1:
+        raise ValueError(f"customised_globals: '{name}' has shapes {sorted(shapes)} across the "
+                         f"clients that share it")
+    stacked = torch.stack([local_modules[j][name].reshape(-1).to(torch.float64) for j in group])
+    row_weights = weights[group][:, group].to(torch.float64)
+    totals = row_weights.sum(dim=1, keepdim=True)
+    mixed = (row_weights / totals.clamp_min(torch.finfo(torch.float64).tiny)) @ stacked
+    for row, j in enumerate(group):
+        own = local_modules[j][name]
+        merged = mixed[row] if float(totals[row]) > 0 else own.reshape(-1)
+        out[j][name] = merged.reshape(own.shape).to(own.dtype)
 
 
 # --------------------------------------------------------------------------------------------
