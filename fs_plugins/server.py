@@ -27,13 +27,19 @@ class ServerProcedure:
         results.client_groups = method.client_groups
         self.state = method.init_server_state(initial_shared)
         self.bytes_down: dict[int, int] = {}
+        # fsplug.aggregation.per_architecture: one state per model architecture; `state` is
+        # the run's own architecture's
+        self.per_architecture = bool(cfg.fsplug.aggregation.per_architecture)
+        self.own_signature = tensor_signature(initial_shared)
+        self.other_states: dict[tuple, dict] = {}
+        self.client_signature: dict[int, tuple] = {}
 
     def sample(self, round_idx: int, client_ids) -> list[int]:
         return sample_clients(self.cfg.seed, round_idx, client_ids,
                               int(self.cfg.federate.sample_client_num))
 
     def content_for(self, client_id: int, for_training: bool = True) -> dict:
-        content = self.method.content_for(self.state, client_id)
+        content = self.method.content_for(self._state_of(client_id), client_id)
         if for_training:
             self.bytes_down[client_id] = payload_bytes(content)
         return content
@@ -48,7 +54,30 @@ class ServerProcedure:
             sent = payload_bytes(update.shared) + payload_bytes(update.extra)
             self.results.log_train(round_idx, update.client_id, update.num_samples, sent,
                                    self.bytes_down.pop(update.client_id, 0), update.metrics)
-        self.state = self.method.aggregate(self.state, updates)
+        if not self.per_architecture:
+            self.state = self.method.aggregate(self.state, updates)
+            return
+        groups: dict[tuple, list[ClientUpdate]] = {}
+        for update in updates:
+            signature = tensor_signature(update.shared)
+            self.client_signature[update.client_id] = signature
+            groups.setdefault(signature, []).append(update)
+        for signature, members in groups.items():
+            if signature == self.own_signature:
+                self.state = self.method.aggregate(self.state, members)
+            else:   # another architecture: its state starts from its first update
+                state = self.other_states.get(signature) or self.method.init_server_state(
+                    {n: t.clone() for n, t in members[0].shared.items()})
+                self.other_states[signature] = self.method.aggregate(state, members)
+
+    def _state_of(self, client_id: int) -> dict:
+        """The server state whose content client `client_id` receives."""
+        if not self.per_architecture:
+            return self.state
+        signature = self.client_signature.get(client_id)
+        if signature is None:   # not reported yet: it keeps its own initial adapters
+            return self.method.init_server_state({})
+        return self.state if signature == self.own_signature else self.other_states[signature]
 
     def should_evaluate(self, rounds_done: int) -> bool:
         total = int(self.cfg.federate.total_round_num)
@@ -70,3 +99,8 @@ class ServerProcedure:
         from fs_plugins.artifacts import global_dir, save_global_state
         return save_global_state(global_dir(run_dir), round_idx, self.cfg, self.method,
                                  self.state['global'], self.layout)
+
+
+def tensor_signature(tensors: dict) -> tuple:
+    """The names and shapes of a set of shared tensors: equal for clients of one architecture."""
+    return tuple(sorted((name, tuple(t.shape)) for name, t in tensors.items()))

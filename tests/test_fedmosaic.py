@@ -202,3 +202,22 @@ def test_server_content_follows_rela_weights(hetero_run):
     pq_module = dict(proc.model.named_modules())[next(
         n for n, k in proc.model.fedmosaic_pq.items() if k == 'block1.self_attn.q_proj')]
     torch.testing.assert_close(pq_module.mosaic.global_P, state['custom'][3][pq_name])
+
+
+def test_baselines_aggregate_per_architecture(tmp_path):
+    """FedIT on the heterogeneous pair (fsplug.aggregation.per_architecture): clients of one
+    model average among themselves, and receive their group's average."""
+    from fs_plugins.config import load_config as load
+    cfg = load(TINY, ['data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp'),
+                      'fsplug.results_dir', str(tmp_path / 'results'), 'fsplug.method', 'fedavg',
+                      'fsplug.aggregation.per_architecture', 'True',
+                      'federate.total_round_num', '2', 'train.local_update_steps', '2'])
+    _, clients = run_embedded_keeping_clients(cfg, read_yaml(CLIENTS))
+
+    def lora(cid):
+        proc = clients[cid]
+        return {n: proc.params[n].detach() for n in proc.trainable_names}
+    for a, b in ((1, 2), (3, 4)):
+        assert lora(a).keys() == lora(b).keys()
+        assert all(torch.equal(lora(a)[n], lora(b)[n]) for n in lora(a))
+    assert any(lora(1)[n].shape != lora(3)[n].shape for n in lora(1) if n in lora(3))

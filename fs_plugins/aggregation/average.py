@@ -51,7 +51,9 @@ def weighted_average(states: Sequence[dict], weights: Sequence[float]) -> dict:
         tensors = [states[i][key] for i in holders]
         shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) > 1:
-            raise ValueError(f"Cannot average '{key}': clients sent different shapes {sorted(shapes)}")
+            raise ValueError(f"Cannot average '{key}': clients sent different shapes "
+                             f"{sorted(shapes)} (clients on different models: set "
+                             f"fsplug.aggregation.per_architecture: True)")
         p = normalise_weights([weights[i] for i in holders])
         acc_dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
         acc = torch.zeros(tensors[0].shape, dtype=acc_dtype)

@@ -196,5 +196,7 @@ def load_tensors(model: torch.nn.Module, content: dict[str, torch.Tensor]) -> No
             target = params[name]
             if target.shape != value.shape:
                 raise ValueError(f"Received tensor '{name}' has shape {tuple(value.shape)}, "
-                                 f"the model's parameter has {tuple(target.shape)}")
+                                 f"the model's parameter has {tuple(target.shape)} (clients on "
+                                 f"different models: set fsplug.aggregation.per_architecture: "
+                                 f"True, or use a method for heterogeneous clients)")
             target.copy_(value.to(device=target.device, dtype=target.dtype))

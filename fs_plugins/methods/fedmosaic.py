@@ -136,6 +136,9 @@ class FedMosaic(Method):
         if model['adapter'] != 'lora':
             problems.append(f"fsplug.model.adapter = {model['adapter']!r}: fsplug.method = "
                             f"'fedmosaic' builds PQ-LoRA on peft's LoRA; use 'lora'")
+        if cfg['fsplug']['aggregation']['per_architecture']:
+            problems.append('fsplug.aggregation.per_architecture: FedMosaic shares P, Q across '
+                            'architectures itself (RELA); turn it off')
         if model['vision']['tower_lora_targets']:
             problems.append("fsplug.model.vision.tower_lora_targets: FedMosaic places PQ-LoRA "
                             "by decoder layer of the language model; leave the vision tower "

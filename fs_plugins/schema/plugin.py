@@ -136,6 +136,12 @@ class AggregationOptions:
                                           'n_k / Σn (as every paper defines them), '
                                           "'processed' (samples trained this round) or 'uniform'",
                           choices=AGGREGATION_WEIGHTS)
+    per_architecture: bool = option(False, 'aggregate clients whose shared tensors differ in '
+                                           'names or shapes (different models) in separate '
+                                           "groups, each with its own server state (Fed-ET's "
+                                           'homogeneous aggregation, as FedMosaic runs its '
+                                           'baselines on heterogeneous clients); a client '
+                                           'receives its group\'s content once it has reported')
 
 
 @dataclass
