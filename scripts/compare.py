@@ -1,7 +1,7 @@
 """Per-client comparison table of several runs, like the papers' tables.
 
     python scripts/compare.py RUN_DIR [RUN_DIR ...] [--metric test_token_acc] [--baseline standalone]
-                              [--csv out.csv] [--plot out.png]
+                              [--auc] [--csv out.csv] [--plot out.png]
 
 Each RUN_DIR is a results directory (results.jsonl + run_info.json). Rows: runs labelled by
 their directory name; columns: each client's last evaluation of --metric, the average over
@@ -97,10 +97,15 @@ def _print_table(header, rows) -> None:
         print('| ' + ' | '.join(row) + ' |')
 
 
-def load(run_dir: str, metric: str) -> dict:
+def load(run_dir: str, metric: str, auc: bool = False) -> dict:
+    """A run's per-client values: the last evaluation of `metric` (A_last), or with auc the
+    mean over all its evaluations (A_AUC, fs_plugins.data.stream.last_and_auc)."""
     with open(os.path.join(run_dir, 'run_info.json')) as handle:
         info = json.load(handle)
-    values = last_eval(run_dir, metric)
+    if auc:
+        values = {c: _mean(curve.values()) for c, curve in eval_curve(run_dir, metric).items()}
+    else:
+        values = last_eval(run_dir, metric)
     return {'dir': run_dir, 'method': info['method'], 'names': info.get('client_names', {}),
             'values': values, 'avg': sum(values.values()) / len(values)}
 
@@ -146,14 +151,17 @@ def main(argv=None) -> None:
     parser.add_argument('runs', nargs='+')
     parser.add_argument('--metric', default='test_token_acc')
     parser.add_argument('--baseline', default='standalone')
+    parser.add_argument('--auc', action='store_true',
+                        help='the mean of --metric over all evaluations (A_AUC) instead of the last')
     parser.add_argument('--csv', default=None)
     parser.add_argument('--plot', default=None, help='PNG of --metric per round and client')
     parser.add_argument('--per-round', action='store_true',
                         help='also print the average over clients at every evaluated round')
     args = parser.parse_args(argv)
-    runs = [load(d, args.metric) for d in args.runs]
+    runs = [load(d, args.metric, args.auc) for d in args.runs]
     header, rows = table(runs, args.metric, args.baseline)
-    print(f'{args.metric} (last evaluation per client)\n')
+    print(f"{args.metric} ({'A_AUC: mean over evaluations' if args.auc else 'A_last: last evaluation'}"
+          f' per client)\n')
     _print_table(header, rows)
     if args.per_round:
         print(f'\n{args.metric} per round (average over clients, mean over runs)\n')
