@@ -100,8 +100,10 @@ def shared_mask(dim: int, keep_fraction: float, seed: int) -> torch.Tensor:
 def sanitise_gradient(ema_grad: torch.Tensor, mask: torch.Tensor, noise_scale: float,
                       generator: torch.Generator | None = None) -> torch.Tensor:
     """Sanitised gradient g̃ = M ⊙ (ĝ + μ·ε), ε ~ N(0, I) (Eq. 3), returning only the kept
-    coordinates (ĝ + μ·ε)[M], which is what a client sends. ε has ĝ's shape and is drawn with
-    generator (the global RNG when None); noise_scale=0 returns ĝ[M] exactly."""
+    coordinates ĝ[M] + μ·ε[M], which is what a client sends. Only the kept coordinates' noise
+    is drawn (the rest would be masked away; the same distribution as Algorithm 1's
+    eps[subsample_index]), with generator (the global RNG when None); noise_scale=0 returns
+    ĝ[M] exactly."""
     if mask.dtype != torch.bool:
         raise ValueError(f'mask must be a bool tensor, got {mask.dtype}')
     if mask.shape != ema_grad.shape:
@@ -111,9 +113,9 @@ def sanitise_gradient(ema_grad: torch.Tensor, mask: torch.Tensor, noise_scale: f
         raise ValueError(f'noise_scale must be >= 0, got {noise_scale}')
     if noise_scale == 0:
         return ema_grad[mask].clone()
-    noise = torch.randn(ema_grad.shape, generator=generator, dtype=ema_grad.dtype,
-                        device=ema_grad.device)
-    return (ema_grad + noise_scale * noise)[mask]
+    kept = ema_grad[mask]
+    noise = torch.randn(kept.shape, generator=generator, dtype=kept.dtype, device=kept.device)
+    return kept + noise_scale * noise
 
 
 def _cosine_matrix(vectors: torch.Tensor) -> torch.Tensor:
