@@ -41,6 +41,7 @@ def available() -> list[str]:
 def _load_builder_modules() -> None:
     # imported here, not at module top: these modules register builders through this one
     from fs_plugins.models import easyvqa_llava, olmo, vision_language  # noqa: F401
+    from fs_plugins.models import easyvqa_llava_small  # noqa: F401
 
 
 def _looks_local(path: str) -> bool:

@@ -110,9 +110,17 @@ def pretrain_vision_tower(tower, image_processor, epochs: int = PRETRAIN['epochs
     return test_accuracy
 
 
+def easyvqa_llava_config(text_config, image_token_id: int):
+    """The LlavaConfig of the easyvqa models: this module's vision tower before `text_config`."""
+    from transformers import CLIPVisionConfig, LlavaConfig
+    return LlavaConfig(vision_config=CLIPVisionConfig(**VISION), text_config=text_config,
+                       image_token_id=image_token_id, vision_feature_select_strategy='default',
+                       vision_feature_layer=-1, tie_word_embeddings=text_config.tie_word_embeddings)
+
+
 def build_easyvqa_llava_dir(path: str, seed: int = 1234) -> None:
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, CLIPVisionConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlavaForConditionalGeneration,
+                              LlavaProcessor)
     from fs_plugins.models.smollm2 import ensure_smollm2
     smol_dir = ensure_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
@@ -121,10 +129,7 @@ def build_easyvqa_llava_dir(path: str, seed: int = 1234) -> None:
     with torch.random.fork_rng(devices=[]):  # the new <image> row is drawn from torch's RNG
         torch.manual_seed(derive_seed(seed, 'easyvqa_image_token'))
         smol.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    config = LlavaConfig(vision_config=CLIPVisionConfig(**VISION), text_config=smol.config,
-                         image_token_id=tokenizer.convert_tokens_to_ids('<image>'),
-                         vision_feature_select_strategy='default', vision_feature_layer=-1,
-                         tie_word_embeddings=smol.config.tie_word_embeddings)
+    config = easyvqa_llava_config(smol.config, tokenizer.convert_tokens_to_ids('<image>'))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(seed, 'easyvqa_llava'))
         model = LlavaForConditionalGeneration(config)
