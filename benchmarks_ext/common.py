@@ -51,6 +51,18 @@ def read_lines(path: str, dataset: str, readme: str) -> list[str]:
         return [line.rstrip('\n') for line in handle]
 
 
+def read_jsonl(path: str, dataset: str, readme: str) -> list[dict]:
+    """The objects of a JSON-lines file (blank lines skipped); a bad line is named."""
+    rows = []
+    for number, line in enumerate(read_lines(path, dataset, readme), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise PrepareError(f'{dataset}: {path} line {number} is not valid JSON ({err})') from err
+    return rows
+
+
 def read_csv(path: str, dataset: str, readme: str, columns: tuple[str, ...]) -> list[dict]:
     with open(require_file(path, dataset, readme), encoding='utf-8', newline='') as handle:
         reader = csv.DictReader(handle)

@@ -15,11 +15,10 @@ the model's codec puts one placeholder per image before the question itself.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
-from benchmarks_ext.common import PrepareError, read_json, read_lines
+from benchmarks_ext.common import PrepareError, read_json, read_jsonl
 from benchmarks_ext.drake.table import DrakeTask
 
 README = 'benchmarks_ext/drake/README.md'
@@ -43,14 +42,7 @@ def find_file(folder: str, stem: str) -> str | None:
 
 def read_rows(path: str, dataset: str) -> list[dict]:
     if path.endswith('.jsonl'):
-        rows = []
-        for number, line in enumerate(read_lines(path, dataset, README), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise PrepareError(f'{dataset}: {path} line {number} is not valid JSON ({err})') from err
-        return rows
+        return read_jsonl(path, dataset, README)
     rows = read_json(path, dataset, README)
     if not isinstance(rows, list):
         raise PrepareError(f'{dataset}: {path} must hold a JSON list of records')

@@ -8,10 +8,9 @@ fields that Fed-VQA does not need.
 """
 from __future__ import annotations
 
-import json
 import os
 
-from benchmarks_ext.common import PrepareError, read_json, read_lines
+from benchmarks_ext.common import PrepareError, read_json, read_jsonl, read_lines
 from benchmarks_ext.fedvqa import prepare as fedvqa
 
 README = 'benchmarks_ext/hflb/README.md'
@@ -25,17 +24,6 @@ def candidate(raw_id, source: str, images: list[tuple[str, str]], question: str,
 def image_under(root: str, folder: str, rel: str, source: str) -> tuple[str, str]:
     """(absolute path of root/folder/rel, where it goes under the output's images/ folder)."""
     return os.path.join(root, folder, rel), f'{source}/{rel}'
-
-
-def read_jsonl(path: str, dataset: str) -> list[dict]:
-    rows = []
-    for number, line in enumerate(read_lines(path, dataset, README), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise PrepareError(f'{dataset}: {path} line {number} is not valid JSON ({err})') from err
-    return rows
 
 
 def from_fedvqa(rows: list[dict], source: str) -> list[dict]:
@@ -100,7 +88,7 @@ def load_snli_ve(root: str, split: str) -> list[dict]:
     gold_label, pairID, ...); images flickr30k_images/<Flikr30kID>. Rows whose gold_label is
     not one of the three labels are skipped."""
     out = []
-    for row in read_jsonl(os.path.join(root, SNLI_VE_FILES[split]), 'snli_ve'):
+    for row in read_jsonl(os.path.join(root, SNLI_VE_FILES[split]), 'snli_ve', README):
         if row.get('gold_label') not in SNLI_VE_LABELS:
             continue
         image = str(row['Flikr30kID'])
@@ -141,7 +129,7 @@ def load_nlvr2(root: str, split: str) -> list[dict]:
     -img1.png, <pair> = identifier without its last "-<n>". Answer: "true" / "false"."""
     raw_split = NLVR2_FILES[split]
     out = []
-    for row in read_jsonl(os.path.join(root, f'{raw_split}.json'), 'nlvr2'):
+    for row in read_jsonl(os.path.join(root, f'{raw_split}.json'), 'nlvr2', README):
         pair = row['identifier'].rsplit('-', 1)[0]
         folder = os.path.join(raw_split, str(row['directory'])) if 'directory' in row else raw_split
         images = [image_under(root, 'images', os.path.join(folder, f'{pair}-img{k}.png'), 'nlvr2') for k in (0, 1)]

@@ -210,7 +210,7 @@ class FedMosaic(Method):
         rela = RelaGradients(hp.gradient_every, hp.gradient_keep, hp.noise_std, hp.ema_ratio,
                              mask_seed=derive_seed(cfg.seed, 'fedmosaic-mask'),
                              noise_seed=derive_seed(cfg.seed, 'fedmosaic-noise', self.client_id))
-        return {'rela': rela, 'small_cfg': self.pivot_config(cfg)}
+        return {'rela': rela, 'small_cfg': self.pivot_config(cfg), 'type_ids': self._type_ids(cfg)}
 
     def small_model(self, state, device):
         """W_s on `device`: the pivot's frozen pre-trained model, loaded once per process."""
@@ -255,7 +255,7 @@ class FedMosaic(Method):
 
     def client_extra(self, model, state):
         ema = state['rela'].end_round()
-        own, pivot = self._type_ids(self.cfg)
+        own, pivot = state['type_ids']
         return {GRAD_KEY: ema, ARCH_KEY: torch.tensor(own), PIVOT_KEY: torch.tensor(pivot)}
 
     def client_metrics(self, model, state):
@@ -294,10 +294,11 @@ class FedMosaic(Method):
         """The global modules (buffers) and PQ-LoRA's frozen, possibly aligned, A and B."""
         out = {n: b.detach().to('cpu').clone() for n, b in model.named_buffers()
                if f'.{MOSAIC_ATTR}.global_' in n}
+        params = dict(model.named_parameters())
         for name in model.fedmosaic_pq:
             for part in ('lora_A', 'lora_B'):
                 key = f'{name}.{part}.default.weight'
-                out[key] = dict(model.named_parameters())[key].detach().to('cpu').clone()
+                out[key] = params[key].detach().to('cpu').clone()
         return out
 
     @torch.no_grad()

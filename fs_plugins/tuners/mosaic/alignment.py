@@ -157,6 +157,11 @@ def lora_factors(model, pq_layers: dict[str, str]) -> dict[str, tuple[torch.Tens
     return out
 
 
+def rank_of(factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """r of a model's PQ-LoRA layers (rows of A)."""
+    return next(iter(factors.values()))[0].shape[0]
+
+
 def check_pairing(pivot_keys, other_keys, pivot_r: int, other_r: int, other_name: str) -> None:
     """The two models must have the same PQ layers (block and module path) and the same r."""
     if set(pivot_keys) != set(other_keys):
@@ -246,13 +251,12 @@ def align_to_pivot(model, codec, cfg, pivot, pivot_cfg, hp) -> str:
     name = f"model.type '{cfg.model.type}'"
     pivot_factors = lora_factors(pivot.model, pivot.model.fedmosaic_pq)
     other_factors = lora_factors(model, model.fedmosaic_pq)
-    check_pairing(pivot_factors, other_factors, next(iter(pivot_factors.values()))[0].shape[0],
-                  next(iter(other_factors.values()))[0].shape[0], name)
+    r = rank_of(other_factors)
+    check_pairing(pivot_factors, other_factors, rank_of(pivot_factors), r, name)
     settings = {'seed': int(cfg.seed), 'blocks': hp.num_blocks, 'placement': hp.placement,
                 'targets': sorted(cfg.fsplug.model.lora.target_modules),
                 'data': hp.alignment_data or str(cfg.data.type), 'samples': hp.alignment_samples,
                 'reg': hp.alignment_reg, 'steps': hp.alignment_steps, 'lr': hp.alignment_lr}
-    r = next(iter(other_factors.values()))[0].shape[0]
     path = alignment_path(hp.alignment_dir or default_folder(), model_digest(pivot.model),
                           model_digest(model), r, settings)
     if os.path.isfile(path):
