@@ -14,7 +14,7 @@ import torch
 
 from fs_plugins.data import stream
 from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
-from fs_plugins.methods.base import ClientUpdate, Method, Phase
+from fs_plugins.methods.base import ClientUpdate, Method, Phase, activate_adapters
 from fs_plugins.data.multimodal import reference_answer
 from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
 from fs_plugins.metrics.token import answer_token_stats
@@ -99,6 +99,8 @@ class ClientProcedure:
         return steps
 
     def _enter_phase(self, phase: Phase) -> None:
+        if phase.adapters:
+            activate_adapters(self.model, phase.adapters)
         for name in self.trainable_names:
             self.params[name].requires_grad_(phase.trainable is None or phase.trainable(name))
         self.current_phase = phase
@@ -138,6 +140,8 @@ class ClientProcedure:
         self.stats['steps'] += 1
 
     def end_round(self) -> ClientUpdate:
+        if self.method.inference_adapters:
+            activate_adapters(self.model, self.method.inference_adapters)
         for name in self.trainable_names:
             self.params[name].requires_grad_(True)
         self.optimizer = self.scheduler = None

@@ -32,10 +32,14 @@ class NoOptions:
 class Phase:
     """A contiguous block of local steps in which only some parameters train.
 
-    `trainable(name)` selects among the model's adapter parameters; None means all of them."""
+    `trainable(name)` selects among the model's adapter parameters; None means all of them.
+    `adapters` names the peft adapters active in the forward pass during the phase (e.g.
+    DITTO trains its global adapter alone, then its personal one alone); None leaves the
+    model's active adapters as they are."""
     name: str
     steps: int
     trainable: Optional[Callable[[str], bool]] = None
+    adapters: Optional[tuple[str, ...]] = None
 
 
 @dataclass
@@ -74,6 +78,9 @@ class Method:
     # why a client's model cannot be exported as a plain Hugging Face model (merged or as one
     # peft adapter), e.g. forward hooks or modules of the method's own; '' when it can
     hf_export_refusal: ClassVar[str] = ''
+    # the peft adapters active outside training (evaluation, saving, export) when phases
+    # switch them; None: the adapters adapt_model left active
+    inference_adapters: ClassVar[Optional[tuple[str, ...]]] = None
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -182,6 +189,24 @@ class Method:
         """Named groups of clients whose mean the summary reports beside the overall one
         (e.g. FLAME's budget levels β1..βn); {} for none."""
         return {}
+
+
+def activate_adapters(model: torch.nn.Module, adapters) -> None:
+    """Makes the peft adapters `adapters` the active ones in the forward pass, keeping every
+    parameter's requires_grad (peft's set_adapter would change them)."""
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    model.base_model.set_adapter(list(adapters))
+    for name, param in model.named_parameters():
+        param.requires_grad_(flags[name])
+
+
+def copy_adapter(model: torch.nn.Module, source: str, target: str) -> None:
+    """Copies the values of peft adapter `source` into adapter `target` (same config)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if f'.{source}.' in name:
+                params[name.replace(f'.{source}.', f'.{target}.')].copy_(param)
 
 
 def load_tensors(model: torch.nn.Module, content: dict[str, torch.Tensor]) -> None:

@@ -2,10 +2,10 @@
 global LoRA adapter ('default', shared and averaged) and a local one ('local', never sent),
 both active in the forward pass. Local round: first the global adapter trains
 (`global_fraction` of the steps), then the local adapter with the global one frozen."""
-import copy
 from dataclasses import dataclass
 
-from fs_plugins.methods.base import Method, Phase
+from fs_plugins.methods.base import Method, Phase, activate_adapters
+from fs_plugins.methods.dual_adapter import add_twin_adapter
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
@@ -27,11 +27,8 @@ class FedDPALoRA(Method):
     config_class = FedDPAConfig
 
     def adapt_model(self, model, cfg):
-        model.add_adapter('local', copy.deepcopy(model.peft_config['default']))
-        model.base_model.set_adapter(['default', 'local'])
-        for name, param in model.named_parameters():
-            if GLOBAL in name or LOCAL in name:
-                param.requires_grad_(True)
+        add_twin_adapter(model, 'local')
+        activate_adapters(model, ('default', 'local'))
         return model
 
     def is_shared(self, name):

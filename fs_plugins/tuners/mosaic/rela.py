@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from fs_plugins.aggregation.mosaic import ema_update, sanitise_gradient, shared_mask
+from fs_plugins.data.instruction import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 
 
 def output_layer(model: torch.nn.Module) -> torch.nn.Module:

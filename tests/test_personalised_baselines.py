@@ -1,0 +1,139 @@
+"""FedMosaic's personalised baselines with a second LoRA adapter: DITTO (global then
+personal, proximal pull to the received global) and FedSim (shared + personal trained
+together), end to end on the tiny model through the embedded runner."""
+import torch
+
+from fs_plugins.client import ClientProcedure
+from fs_plugins.config import load_config
+from fs_plugins.data.federated import build_federated_records
+from fs_plugins.methods.base import activate_adapters
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.models.builders import build_model
+from helpers import tiny_config, write_yaml
+from test_methods import A_NUMEL, B_NUMEL, run, train_rows
+
+
+def one_client(tmp_path, method, **updates) -> ClientProcedure:
+    """Client 1 of the tiny federation, built but not trained."""
+    cfg = load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, method, steps=2,
+                                                                  **updates)))
+    method_obj = get_method_class(method)(cfg)
+    return ClientProcedure(1, cfg, method_obj, build_model(cfg, method_obj),
+                           build_federated_records(cfg).clients[1])
+
+
+def adapter_params(proc, adapter):
+    return {n: p for n, p in proc.params.items() if f'.{adapter}.' in n}
+
+
+def test_ditto_personal_adapter_starts_as_the_global_one(tmp_path):
+    proc = one_client(tmp_path, 'ditto')
+    personal = adapter_params(proc, 'personal')
+    assert personal and all(
+        torch.equal(p, proc.params[n.replace('.personal.', '.default.')]) for n, p in personal.items())
+
+
+def test_ditto_trains_global_then_personal_and_evaluates_the_personal_model(tmp_path):
+    results, clients = run(tmp_path, 'ditto')
+    proc = clients[1]
+    assert {r['bytes_up'] for r in train_rows(results)} == {4 * (A_NUMEL + B_NUMEL)}
+    assert {r['train_steps'] for r in train_rows(results)} == {4}   # 2 global + 2 personal
+    assert proc.model.base_model.active_adapters == ['personal']
+    personal_b = next(n for n in proc.trainable_names if 'lora_B.personal' in n)
+    global_b = personal_b.replace('.personal.', '.default.')
+    assert torch.count_nonzero(proc.params[personal_b]) > 0
+    assert not torch.equal(proc.params[personal_b], clients[2].params[personal_b])
+    assert not torch.equal(proc.params[personal_b], proc.params[global_b])
+
+
+def test_ditto_phases_run_one_adapter_at_a_time(tmp_path):
+    proc = one_client(tmp_path, 'ditto')
+    proc.begin_round()
+    seen = []
+    for _ in range(len(proc.step_phases)):
+        batch = proc.next_batch()
+        seen.append((proc.current_phase.name, tuple(proc.model.base_model.active_adapters)))
+        proc.optimise(proc.compute_loss(batch))
+        proc.record(0.0, 1)
+    assert seen == [('global', ('default',))] * 2 + [('personal', ('personal',))] * 2
+    proc.end_round()
+    assert proc.model.base_model.active_adapters == ['personal']
+
+
+def test_ditto_loss_adds_the_proximal_term_to_the_received_global(tmp_path):
+    proc = one_client(tmp_path, 'ditto', fsplug={'ditto': {'lam': 0.3}})
+    received = {n: p.detach() + 0.05 for n, p in adapter_params(proc, 'default').items()}
+    proc.receive(received)
+    batch = proc.stream.next()
+    plain = proc.model(**batch).loss
+    loss = proc.method.loss(proc.model, batch, proc.state)   # personal adapter active
+    expected = sum(((proc.params[n.replace('.default.', '.personal.')] - t) ** 2).sum()
+                   for n, t in received.items())
+    assert torch.allclose(loss, plain + 0.5 * 0.3 * expected)
+    activate_adapters(proc.model, ('default',))   # the global phase has no proximal term
+    assert torch.equal(proc.method.loss(proc.model, batch, proc.state), proc.model(**batch).loss)
+
+
+def test_fedsim_trains_both_adapters_together_and_sends_the_shared_one(tmp_path):
+    results, clients = run(tmp_path, 'fedsim')
+    proc = clients[1]
+    assert proc.model.base_model.active_adapters == ['default', 'local']
+    assert {r['bytes_up'] for r in train_rows(results)} == {4 * (A_NUMEL + B_NUMEL)}
+    assert {r['train_steps'] for r in train_rows(results)} == {2}   # one pass, both adapters
+    for adapter in ('default', 'local'):
+        b = next(n for n in proc.trainable_names if f'lora_B.{adapter}' in n)
+        assert torch.count_nonzero(proc.params[b]) > 0
+    local_b = next(n for n in proc.trainable_names if 'lora_B.local' in n)
+    assert not torch.equal(proc.params[local_b], clients[2].params[local_b])
+
+
+def test_feddat_distillation_loss_matches_the_naive_formula():
+    from fs_plugins.methods.feddat import distillation_loss
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 5, 7, generator=gen), torch.randn(2, 5, 7, generator=gen)
+    labels = torch.tensor([[-100, -100, 3, 4, -100], [-100, 1, 2, -100, -100]])
+    T, terms = 3.0, []
+    for b in range(2):
+        for t in range(4):
+            if labels[b, t + 1] != -100:
+                p = torch.softmax(teacher[b, t] / T, -1)
+                q = torch.softmax(student[b, t] / T, -1)
+                terms.append((p * (p.log() - q.log())).sum())
+    expected = T ** 2 * sum(terms) / len(terms)
+    assert torch.allclose(distillation_loss(student, teacher, labels, T), expected, atol=1e-6)
+
+
+def test_feddat_alternates_student_and_teacher_steps_and_sends_the_shared_adapter(tmp_path):
+    results, clients = run(tmp_path, 'feddat')
+    proc = clients[1]
+    assert {r['bytes_up'] for r in train_rows(results)} == {4 * (A_NUMEL + B_NUMEL)}
+    assert {r['train_steps'] for r in train_rows(results)} == {4}   # 2 shared + 2 DAT steps
+    assert proc.model.base_model.active_adapters == ['dat_local', 'dat_global']
+    layer = proc.model.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.scaling['dat_local'] == layer.scaling['dat_global'] == layer.scaling['default'] / 2
+    assert 'dat_global' not in ' '.join(proc.trainable_names)
+    for adapter in ('default', 'dat_local'):
+        b = next(n for n in proc.trainable_names if f'lora_B.{adapter}' in n)
+        assert torch.count_nonzero(proc.params[b]) > 0
+    local_b = next(n for n in proc.trainable_names if 'lora_B.dat_local' in n)
+    assert not torch.equal(proc.params[local_b], clients[2].params[local_b])
+
+
+def test_feddat_receive_refreshes_the_frozen_global_copy_and_the_loss_distils(tmp_path):
+    from fs_plugins.methods.feddat import distillation_loss
+    proc = one_client(tmp_path, 'feddat')
+    received = {n: p.detach() + 0.05 for n, p in adapter_params(proc, 'default').items()}
+    proc.receive(received)
+    assert all(torch.equal(proc.params[n.replace('.default.', '.dat_global.')], t)
+               for n, t in received.items())
+    batch = proc.stream.next()
+    activate_adapters(proc.model, ('default',))            # the student step
+    student = proc.model(**batch)
+    with torch.no_grad():
+        activate_adapters(proc.model, ('dat_local', 'dat_global'))
+        teacher = proc.model(**batch).logits
+        activate_adapters(proc.model, ('default',))
+    expected = 0.5 * student.loss + 0.5 * distillation_loss(student.logits, teacher,
+                                                             batch['labels'], 3.0)
+    assert torch.allclose(proc.method.loss(proc.model, batch, proc.state), expected)
+    assert proc.model.base_model.active_adapters == ['default']
