@@ -89,14 +89,23 @@ class ClientProcedure:
         steps = len(self.step_phases)
         self.model.to(self.device)
         self.model.train()
-        self.optimizer = build_optimizer([self.params[n] for n in self.trainable_names],
-                                         self.cfg.train.optimizer)
+        self.optimizer = build_optimizer(self._param_groups(), self.cfg.train.optimizer)
         total, start = schedule_window(self.cfg.fsplug.train.lr_schedule, self.round_idx,
                                        int(self.cfg.federate.total_round_num), steps)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train.scheduler, total, start)
         self.step_index, self.current_phase = 0, None
         self.stats = {'loss_sum': 0.0, 'samples': 0, 'steps': 0, 'skipped': 0}
         return steps
+
+    def _param_groups(self) -> list[dict]:
+        """One optimiser group per learning rate: train.optimizer.lr, and each rate the
+        method sets for some parameters (Method.learning_rates)."""
+        special = self.method.learning_rates(self.model, self.trainable_names)
+        groups: dict = {}
+        for name in self.trainable_names:
+            groups.setdefault(special.get(name), []).append(self.params[name])
+        return [{'params': params} if lr is None else {'params': params, 'lr': lr}
+                for lr, params in groups.items()]
 
     def _enter_phase(self, phase: Phase) -> None:
         if phase.adapters:

@@ -221,3 +221,19 @@ def test_baselines_aggregate_per_architecture(tmp_path):
         assert lora(a).keys() == lora(b).keys()
         assert all(torch.equal(lora(a)[n], lora(b)[n]) for n in lora(a))
     assert any(lora(1)[n].shape != lora(3)[n].shape for n in lora(1) if n in lora(3))
+
+
+@pytest.mark.parametrize('pq_lr', [0.0, 5e-5])
+def test_pq_lora_has_its_own_learning_rate(tmp_path, pq_lr):
+    from fs_plugins.client import ClientProcedure
+    from fs_plugins.data.federated import build_federated_records
+    cfg = _cfg(tmp_path, 'train.optimizer.lr', '2e-5', 'fsplug.fedmosaic.pq_lr', str(pq_lr))
+    built, method, ccfg = _built(cfg)
+    proc = ClientProcedure(1, ccfg, method, built, build_federated_records(cfg).clients[1])
+    proc.begin_round()
+    lr_of = {id(p): g['lr'] for g in proc.optimizer.param_groups for p in g['params']}
+    assert len(lr_of) == len(proc.trainable_names)
+    for name in proc.trainable_names:
+        in_pq_layer = any(name.startswith(f'{path}.mosaic.') for path in built.model.fedmosaic_pq)
+        assert lr_of[id(proc.params[name])] == (pq_lr if pq_lr and in_pq_layer else 2e-5), name
+    assert any(n.endswith('.mosaic.P') for n in proc.trainable_names)

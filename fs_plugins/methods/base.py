@@ -123,6 +123,11 @@ class Method:
         """Client-local state that persists across rounds (counters, control variates)."""
         return {}
 
+    def learning_rates(self, model: torch.nn.Module, trainable_names) -> dict[str, float]:
+        """Learning rates of trainable parameters that do not use train.optimizer.lr
+        ({name: lr}; e.g. FedMosaic's PQ-LoRA); {} for none."""
+        return {}
+
     def phases(self, num_steps: int, cfg) -> list[Phase]:
         return [Phase('train', num_steps)]
 

@@ -79,6 +79,9 @@ class FedMosaicConfig:
                                     'of a distributed run)')
     pivot_model_type: str = option('', "model.type of the pivot / W_s; '' = the run's model.type. "
                                        'Paper A.3: the smallest client model')
+    pq_lr: float = option(0.0, "learning rate of the PQ-LoRA layers' trained tensors (P, Q and "
+                               'their gates β); 0 = train.optimizer.lr. Paper (A.7): 5e-5 for '
+                               'PQ-LoRA, 2e-5 for the other parameters (train.optimizer.lr)', ge=0)
     alignment: str = option('compute', 'compute: align a non-pivot model on first use and cache '
                                        'it; require: fail unless the alignment is cached',
                             choices=('compute', 'require'))
@@ -237,6 +240,13 @@ class FedMosaic(Method):
 
     def after_step(self, model, state):
         state['rela'].end_step()
+
+    def learning_rates(self, model, trainable_names):
+        if not self.hparams.pq_lr:
+            return {}
+        pq_modules = {f'{path}.{MOSAIC_ATTR}.' for path in model.fedmosaic_pq}
+        return {n: self.hparams.pq_lr for n in trainable_names
+                if any(n.startswith(m) for m in pq_modules)}
 
     def shared_tensors(self, model, trainable_names):
         """Conventional LoRA (and other trained tensors) under their names; P, Q of PQ-LoRA
