@@ -237,3 +237,22 @@ def test_pq_lora_has_its_own_learning_rate(tmp_path, pq_lr):
         in_pq_layer = any(name.startswith(f'{path}.mosaic.') for path in built.model.fedmosaic_pq)
         assert lr_of[id(proc.params[name])] == (pq_lr if pq_lr and in_pq_layer else 2e-5), name
     assert any(n.endswith('.mosaic.P') for n in proc.trainable_names)
+
+
+def test_the_pivot_is_built_once_per_process_for_every_client_of_another_type(tmp_path,
+                                                                              monkeypatch):
+    import fs_plugins.methods.fedmosaic as fedmosaic_module
+    from fs_plugins.models import builders
+    monkeypatch.setattr(fedmosaic_module, '_PIVOTS', {})
+    built_types = []
+    original = builders.build_model
+
+    def counting(cfg, *args, **kwargs):
+        built_types.append(str(cfg.model.type))
+        return original(cfg, *args, **kwargs)
+    monkeypatch.setattr(builders, 'build_model', counting)
+    cfg = _cfg(tmp_path)
+    for _ in range(2):                      # two clients of the larger type, one process
+        _built(cfg, LARGE)
+    assert built_types.count('tiny-llama@fsplug_llm') == 1
+    assert all(p.built is None for p in fedmosaic_module._PIVOTS.values())   # model released

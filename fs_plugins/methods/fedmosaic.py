@@ -108,6 +108,7 @@ def is_pq_name(name: str) -> bool:
     return name.startswith(PQ_PREFIX)
 
 
+_PIVOTS: dict = {}         # pivot config -> alignment.Pivot, one per process
 _SMALL_MODELS: dict = {}   # (builder, model.type, dtype) -> W_s, one frozen copy per process
 
 
@@ -200,12 +201,28 @@ class FedMosaic(Method):
         """A non-pivot model aligns its PQ-LoRA A, B to the pivot's (cached)."""
         if self.is_pivot(cfg):
             return
-        from fs_plugins.models.builders import build_model
         from fs_plugins.tuners.mosaic.alignment import align_to_pivot
         pivot_cfg = self.pivot_config(cfg)
-        pivot = build_model(pivot_cfg, type(self)(pivot_cfg), share_frozen=False)
+        pivot = self.pivot_of(pivot_cfg)
         check_same_tokenizer(codec, pivot.codec, cfg, pivot_cfg)
-        align_to_pivot(model, codec, cfg, pivot, pivot_cfg, self.hparams)
+        try:
+            align_to_pivot(model, codec, cfg, pivot, pivot_cfg, self.hparams)
+        finally:
+            pivot.built = None   # the pivot's model is needed again only for a new alignment
+
+    def pivot_of(self, pivot_cfg):
+        """The pivot's digest, factors and codec, built once per process and pivot config
+        (the clients of one model type need them all, its model only to compute)."""
+        import json
+        from fs_plugins.models.builders import build_model
+        from fs_plugins.schema.options import to_plain
+        from fs_plugins.tuners.mosaic.alignment import Pivot
+        key = json.dumps(to_plain(pivot_cfg), sort_keys=True, default=str)
+        if key not in _PIVOTS:
+            def build():
+                return build_model(pivot_cfg, type(self)(pivot_cfg), share_frozen=False)
+            _PIVOTS[key] = Pivot.of(build(), build)
+        return _PIVOTS[key]
 
     # ------------------------------------------------------------------ client
     def init_client_state(self, model, cfg):

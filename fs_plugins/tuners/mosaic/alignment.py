@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -244,12 +246,33 @@ def default_folder() -> str:
     return os.path.join(cache_dir(), 'fedmosaic_alignment')
 
 
-def align_to_pivot(model, codec, cfg, pivot, pivot_cfg, hp) -> str:
-    """Aligns `model`'s PQ-LoRA A, B to those of `pivot` (a BuiltModel from `pivot_cfg`)
+@dataclass
+class Pivot:
+    """What aligning to the pivot needs: its digest, PQ factors and codec always; its model
+    (`built`, else `build()`) only when an alignment is computed rather than read."""
+    digest: str
+    factors: dict
+    codec: object
+    build: Callable[[], object]           # -> BuiltModel of the pivot
+    built: Optional[object] = None
+
+    @classmethod
+    def of(cls, built, build) -> 'Pivot':
+        return cls(model_digest(built.model), lora_factors(built.model, built.model.fedmosaic_pq),
+                   built.codec, build, built)
+
+    def model(self):
+        if self.built is None:
+            self.built = self.build()
+        return self.built
+
+
+def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
+    """Aligns `model`'s PQ-LoRA A, B to those of the pivot built from `pivot_cfg`
     (Algorithms 3-4), from the cache when the same alignment was computed before; returns the
     cache file."""
     name = f"model.type '{cfg.model.type}'"
-    pivot_factors = lora_factors(pivot.model, pivot.model.fedmosaic_pq)
+    pivot_factors = pivot.factors
     other_factors = lora_factors(model, model.fedmosaic_pq)
     r = rank_of(other_factors)
     check_pairing(pivot_factors, other_factors, rank_of(pivot_factors), r, name)
@@ -257,7 +280,7 @@ def align_to_pivot(model, codec, cfg, pivot, pivot_cfg, hp) -> str:
                 'targets': sorted(cfg.fsplug.model.lora.target_modules),
                 'data': hp.alignment_data or str(cfg.data.type), 'samples': hp.alignment_samples,
                 'reg': hp.alignment_reg, 'steps': hp.alignment_steps, 'lr': hp.alignment_lr}
-    path = alignment_path(hp.alignment_dir or default_folder(), model_digest(pivot.model),
+    path = alignment_path(hp.alignment_dir or default_folder(), pivot.digest,
                           model_digest(model), r, settings)
     if os.path.isfile(path):
         apply_alignment(model, model.fedmosaic_pq, load_alignment(path))
@@ -269,7 +292,8 @@ def align_to_pivot(model, codec, cfg, pivot, pivot_cfg, hp) -> str:
                           f"fsplug.fedmosaic.alignment = 'require'; run once with 'compute'")
     records = public_records(hp.alignment_data, cfg.data.type, hp.alignment_samples,
                              derive_alignment_seed(cfg.seed))
-    pivot_inputs, pivot_ids = layer_inputs(pivot.model, pivot.model.fedmosaic_pq, pivot.codec,
+    pivot_model = pivot.model().model
+    pivot_inputs, pivot_ids = layer_inputs(pivot_model, pivot_model.fedmosaic_pq, pivot.codec,
                                            records)
     other_inputs, other_ids = layer_inputs(model, model.fedmosaic_pq, codec, records)
     per_token = len(pivot_ids) == len(other_ids) and all(
