@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
+import toy_methods  # noqa: F401  (registers the test-only toy_phased)
 from fs_plugins.config import load_config
+from fs_plugins.methods.registry import all_methods
 from fs_plugins.sim.runner import run_embedded
 from helpers import deep_update, tiny_config, write_yaml
 
@@ -85,22 +87,29 @@ def assert_same_artifacts(fs_run, emb_run, folders=None):
 def _embedded_rows(tmp_path, cfg_dict, client_cfgs=None):
     cfg_dict = deep_update(json.loads(json.dumps(cfg_dict)),
                            {'fsplug': {'results_dir': str(tmp_path / 'embedded')}})
-    run_embedded(load_config(write_yaml(tmp_path / 'embedded.yaml', cfg_dict)), client_cfgs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as FS standalone runs: the same float summation order
+    try:
+        run_embedded(load_config(write_yaml(tmp_path / 'embedded.yaml', cfg_dict)), client_cfgs)
+    finally:
+        torch.set_num_threads(threads)
     return read_rows(str(tmp_path / 'embedded'))
 
 
 MIXED_RANKS = {f'client_{i}': {'fsplug': {'model': {'lora': {'r': r}}}}
                for i, r in zip((1, 2, 3, 4), (2, 4, 8, 16))}
-METHODS = ['fedavg', 'standalone', 'toy_phased', 'fed_a2', 'fedex', 'ffa', 'fedsa', 'feddpa',
-           'fedprox', 'fedadam', 'fedyogi', 'fedadagrad', 'scaffold', 'hetlora', 'flexlora',
-           'fedmole']
-METHODS.append('flame')  # on the tiny OLMoE, clients at budget levels 8, 4, 2, 1
-METHODS.append('fedmosaic')  # heterogeneous: clients 3, 4 on a wider, deeper tiny Llama
 HETEROGENEOUS = {f'client_{i}': {'model': {'type': t}} for i, t in
                  zip((1, 2, 3, 4), ['tiny-llama@fsplug_llm'] * 2 + ['tiny-llama-large@fsplug_llm'] * 2)}
 FLAME_MODEL = {'model': {'type': 'tiny-olmoe@fsplug_llm'}, 'fsplug': {'model': {
     'builder': 'tiny_olmoe', 'lora': {'target_modules': ['q_proj', 'v_proj'], 'target_parameters': [
         'mlp.experts.gate_up_proj', 'mlp.experts.down_proj']}}}}
+# every registered method runs; these need a model or per-client configs of their own
+MODEL_SETUP = {'flame': FLAME_MODEL, 'hetlora_experts': FLAME_MODEL,   # tiny OLMoE; FLAME's
+               'flexlora_experts': FLAME_MODEL}                      # clients at k = 8, 4, 2, 1
+CLIENT_CFGS = {'hetlora': MIXED_RANKS, 'flexlora': MIXED_RANKS, 'fed_a2': MIXED_RANKS,
+               'hetlora_experts': MIXED_RANKS, 'flexlora_experts': MIXED_RANKS,
+               'fedmosaic': HETEROGENEOUS}   # clients 3, 4 on a wider, deeper tiny Llama
+METHODS = sorted(all_methods())
 
 
 @pytest.mark.parametrize('method', METHODS)
@@ -110,14 +119,12 @@ def test_fs_standalone_matches_embedded(tmp_path, method):
     cfg = tiny_config(tmp_path, method, rounds=2, steps=3)
     if method == 'toy_phased':
         deep_update(cfg, TOY)
-    if method == 'flame':
-        deep_update(cfg, FLAME_MODEL)
+    deep_update(cfg, MODEL_SETUP.get(method, {}))
     if method == 'fedmosaic':
         deep_update(cfg, {'fsplug': {'fedmosaic': {'num_blocks': 1, 'gradient_every': 2,
                                                    'alignment_dir': str(tmp_path / 'align')}}})
     deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
-    client_cfgs = MIXED_RANKS if method in ('hetlora', 'flexlora', 'fed_a2') else None
-    client_cfgs = HETEROGENEOUS if method == 'fedmosaic' else client_cfgs
+    client_cfgs = CLIENT_CFGS.get(method)
     args = ['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)]
     if client_cfgs:
         args += ['--client_cfg', write_yaml(tmp_path / 'clients.yaml', client_cfgs)]
