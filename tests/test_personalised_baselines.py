@@ -1,6 +1,7 @@
 """FedMosaic's personalised baselines with a second LoRA adapter: DITTO (global then
 personal, proximal pull to the received global) and FedSim (shared + personal trained
 together), end to end on the tiny model through the embedded runner."""
+import pytest
 import torch
 
 from fs_plugins.client import ClientProcedure
@@ -9,7 +10,7 @@ from fs_plugins.data.federated import build_federated_records
 from fs_plugins.methods.base import activate_adapters
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
-from helpers import tiny_config, write_yaml
+from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 from test_methods import A_NUMEL, B_NUMEL, run, train_rows
 
 
@@ -137,3 +138,23 @@ def test_feddat_receive_refreshes_the_frozen_global_copy_and_the_loss_distils(tm
                                                              batch['labels'], 3.0)
     assert torch.allclose(proc.method.loss(proc.model, batch, proc.state), expected)
     assert proc.model.base_model.active_adapters == ['default']
+
+
+@pytest.mark.parametrize('method, personal_adapters', [
+    ('ditto', ('personal',)), ('fedsim', ('local',)), ('feddpa', ('local',)),
+    ('feddat', ('dat_local', 'dat_global'))])
+def test_a_trained_projector_goes_with_the_global_model(tmp_path, method, personal_adapters):
+    """Trained tensors outside the adapters (LLaVA's projector) train and are shared with the
+    global adapter; only the personal adapters stay local."""
+    from test_multimodal import vl_config
+    cfg, _ = vl_config(tmp_path, 'tiny_llava', fsplug={'method': method},
+                       eval={'freq': 100}, **{'federate': {'total_round_num': 1}})
+    results, clients = run_embedded_keeping_clients(cfg)
+    proc = clients[1]
+    projector = [n for n in proc.trainable_names if 'multi_modal_projector' in n]
+    assert projector
+    update = proc.method.shared_tensors(proc.model, proc.trainable_names)
+    assert set(projector) <= set(update)
+    assert not any(f'.{a}.' in n for n in update for a in personal_adapters)
+    initial = build_model(cfg, get_method_class(method)(cfg)).model.state_dict()
+    assert any(not torch.equal(proc.params[n].detach(), initial[n]) for n in projector)

@@ -8,7 +8,9 @@ model on its own (only one is active at a time). A local round first updates w f
 local pass with the plain loss F_k(w), then v_k for one more pass with
 F_k(v_k) + λ/2‖v_k − w^t‖², where w^t is the global adapter received at the round's start
 (Algorithm 1 line 6: the proximal point is the server's model, not the locally updated one).
-v_k starts as a copy of w (v_k⁰ = w⁰). Evaluation and saved models use v_k.
+v_k starts as a copy of w (v_k⁰ = w⁰). Evaluation and saved models use v_k. Trained tensors
+outside the adapters (e.g. LLaVA's projector) belong to the global model: they train in the
+global pass and are averaged.
 """
 from dataclasses import dataclass
 
@@ -18,6 +20,10 @@ from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
 GLOBAL, PERSONAL = 'default', 'personal'
+
+
+def is_personal(name: str) -> bool:
+    return f'.{PERSONAL}.' in name
 
 
 @dataclass
@@ -42,12 +48,11 @@ class Ditto(Method):
         return model
 
     def is_shared(self, name):
-        return f'.{GLOBAL}.' in name
+        return not is_personal(name)
 
     def phases(self, num_steps, cfg):
-        return [Phase('global', num_steps, lambda n: f'.{GLOBAL}.' in n, adapters=(GLOBAL,)),
-                Phase('personal', num_steps, lambda n: f'.{PERSONAL}.' in n,
-                      adapters=(PERSONAL,))]
+        return [Phase('global', num_steps, lambda n: not is_personal(n), adapters=(GLOBAL,)),
+                Phase('personal', num_steps, is_personal, adapters=(PERSONAL,))]
 
     def receive(self, model, content, state):
         load_tensors(model, content)

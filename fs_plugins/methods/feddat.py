@@ -40,6 +40,11 @@ class FedDATConfig:
     kd_temperature: float = option(3.0, 'T of the mutual distillation (code: 3)', gt=0)
 
 
+def is_dat(name: str) -> bool:
+    """A tensor of the teacher's own adapters (the rest, e.g. a trained projector, is shared)."""
+    return f'.{DAT_LOCAL}.' in name or f'.{DAT_GLOBAL}.' in name
+
+
 def distillation_loss(student_logits, teacher_logits, labels, temperature: float) -> torch.Tensor:
     """T²·KL(softmax(t/T) ‖ softmax(s/T)), mean over the answer tokens (position i predicts
     token i + 1; only targets != IGNORE_INDEX count)."""
@@ -79,10 +84,10 @@ class FedDAT(Method):
         return model
 
     def is_shared(self, name):
-        return f'.{SHARED}.' in name
+        return not is_dat(name)
 
     def phases(self, num_steps, cfg):
-        shared = Phase('shared', 1, lambda n: f'.{SHARED}.' in n, adapters=STUDENT)
+        shared = Phase('shared', 1, lambda n: not is_dat(n), adapters=STUDENT)
         dat = Phase('dat', 1, lambda n: f'.{DAT_LOCAL}.' in n, adapters=TEACHER)
         return [shared, dat] * num_steps
 

@@ -1,7 +1,8 @@
 """FedDPA-LoRA (Yang et al., 2024), dual personalising adapters: every client carries a
 global LoRA adapter ('default', shared and averaged) and a local one ('local', never sent),
 both active in the forward pass. Local round: first the global adapter trains
-(`global_fraction` of the steps), then the local adapter with the global one frozen."""
+(`global_fraction` of the steps), then the local adapter with the global one frozen. Trained
+tensors outside the adapters (e.g. LLaVA's projector) go with the global adapter."""
 from dataclasses import dataclass
 
 from fs_plugins.methods.base import Method, Phase, activate_adapters
@@ -9,7 +10,7 @@ from fs_plugins.methods.dual_adapter import add_twin_adapter
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
-GLOBAL, LOCAL = '.default.', '.local.'
+LOCAL = '.local.'
 
 
 @dataclass
@@ -32,9 +33,9 @@ class FedDPALoRA(Method):
         return model
 
     def is_shared(self, name):
-        return GLOBAL in name
+        return LOCAL not in name   # the global adapter and e.g. a trained projector
 
     def phases(self, num_steps, cfg):
         first = int(round(self.hparams.global_fraction * num_steps))
-        return [Phase('global', first, lambda n: GLOBAL in n),
+        return [Phase('global', first, lambda n: LOCAL not in n),
                 Phase('local', num_steps - first, lambda n: LOCAL in n)]

@@ -29,4 +29,4 @@ class FedSim(Method):
         return model
 
     def is_shared(self, name):
-        return f'.{SHARED}.' in name
+        return f'.{PERSONAL}.' not in name   # the shared adapter and e.g. a trained projector
