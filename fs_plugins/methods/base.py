@@ -214,6 +214,13 @@ def copy_adapter(model: torch.nn.Module, source: str, target: str) -> None:
                 params[name.replace(f'.{source}.', f'.{target}.')].copy_(param)
 
 
+def proximal_term(model: torch.nn.Module, anchor: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Σ ‖θ − anchor‖² over the model parameters named in `anchor`."""
+    params = dict(model.named_parameters())
+    return sum(((params[n] - a.to(params[n].device, params[n].dtype)) ** 2).sum()
+               for n, a in anchor.items())
+
+
 def load_tensors(model: torch.nn.Module, content: dict[str, torch.Tensor]) -> None:
     """Copies named tensors into the model's parameters in place; names must exist."""
     if not content:

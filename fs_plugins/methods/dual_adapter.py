@@ -1,20 +1,18 @@
-"""Pieces shared by the methods that keep a second LoRA adapter beside peft's 'default' one
-(DITTO, FedSim, FedDAT): adding it with the same config, and an ℓ2 pull towards anchors."""
+"""What the methods that keep more LoRA adapters beside peft's 'default' one share (DITTO,
+FedSim, FedDAT, FedDPA): adding one with the same config."""
 import copy
 
 import torch
 
 
-def add_twin_adapter(model: torch.nn.Module, name: str) -> None:
-    """Adds peft adapter `name` with the config of 'default', its parameters trainable."""
-    model.add_adapter(name, copy.deepcopy(model.peft_config['default']))
+def add_twin_adapter(model: torch.nn.Module, name: str, weight: float = 1.0,
+                     trainable: bool = True) -> None:
+    """Adds peft adapter `name` with the config of 'default', its LoRA scaling times `weight`
+    (through lora_alpha), its parameters trainable or frozen."""
+    config = copy.deepcopy(model.peft_config['default'])
+    config.lora_alpha = config.lora_alpha * weight
+    model.add_adapter(name, config)
     for param_name, param in model.named_parameters():
         if f'.{name}.' in param_name:
-            param.requires_grad_(True)
+            param.requires_grad_(trainable)
 
-
-def proximal_term(model: torch.nn.Module, anchor: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Σ ‖θ − anchor‖² over the named parameters of `anchor`."""
-    params = dict(model.named_parameters())
-    return sum(((params[n] - a.to(params[n].device, params[n].dtype)) ** 2).sum()
-               for n, a in anchor.items())

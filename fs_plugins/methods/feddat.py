@@ -18,7 +18,6 @@ optimiser step per batch in both runners), for one local pass each, and the teac
 come from a no-grad forward pass on the same batch; the KL runs over the answer tokens.
 Evaluation and saved models use the DAT with the latest global adapter received.
 """
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from fs_plugins.data.instruction import IGNORE_INDEX
 from fs_plugins.methods.base import Method, Phase, activate_adapters, copy_adapter, load_tensors
+from fs_plugins.methods.dual_adapter import add_twin_adapter
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
@@ -58,12 +58,6 @@ def distillation_loss(student_logits, teacher_logits, labels, temperature: float
     return kl * temperature ** 2
 
 
-def _add_half_weight_adapter(model, name: str) -> None:
-    config = copy.deepcopy(model.peft_config[SHARED])
-    config.lora_alpha = config.lora_alpha / 2    # the DAT averages its two adapters
-    model.add_adapter(name, config)
-
-
 @register_method
 class FedDAT(Method):
     name = 'feddat'
@@ -74,12 +68,10 @@ class FedDAT(Method):
     inference_adapters = TEACHER
 
     def adapt_model(self, model, cfg):
-        for name in TEACHER:
-            _add_half_weight_adapter(model, name)
+        # the DAT averages its two adapters: each at half the LoRA scaling
+        add_twin_adapter(model, DAT_LOCAL, weight=0.5)
+        add_twin_adapter(model, DAT_GLOBAL, weight=0.5, trainable=False)
         copy_adapter(model, SHARED, DAT_GLOBAL)
-        for name, param in model.named_parameters():
-            if f'.{DAT_LOCAL}.' in name or f'.{DAT_GLOBAL}.' in name:
-                param.requires_grad_(f'.{DAT_LOCAL}.' in name)
         activate_adapters(model, self.inference_adapters)
         return model
 

@@ -208,7 +208,7 @@ class FedMosaic(Method):
         try:
             align_to_pivot(model, codec, cfg, pivot, pivot_cfg, self.hparams)
         finally:
-            pivot.built = None   # the pivot's model is needed again only for a new alignment
+            pivot.release()   # its model is needed again only for a new alignment
 
     def pivot_of(self, pivot_cfg):
         """The pivot's digest, factors and codec, built once per process and pivot config

@@ -5,7 +5,7 @@ FederatedScope has its own FedProx trainer wrapper (`fedprox.use`); it applies t
 trainers, not to the embedded runner, so the proximal term lives here for both runners."""
 from dataclasses import dataclass
 
-from fs_plugins.methods.base import Method, load_tensors
+from fs_plugins.methods.base import Method, load_tensors, proximal_term
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
@@ -31,6 +31,4 @@ class FedProx(Method):
         anchor = state.get('anchor')
         if not anchor:
             return loss
-        params = dict(model.named_parameters())
-        prox = sum(((params[n] - a.to(params[n].device)) ** 2).sum() for n, a in anchor.items())
-        return loss + 0.5 * self.hparams.mu * prox
+        return loss + 0.5 * self.hparams.mu * proximal_term(model, anchor)

@@ -266,6 +266,10 @@ class Pivot:
             self.built = self.build()
         return self.built
 
+    def release(self) -> None:
+        """Frees the pivot's model; digest, factors and codec stay."""
+        self.built = None
+
 
 def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
     """Aligns `model`'s PQ-LoRA A, B to those of the pivot built from `pivot_cfg`

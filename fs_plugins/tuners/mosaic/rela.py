@@ -18,7 +18,6 @@ from fs_plugins.aggregation.mosaic import ema_update, sanitise_gradient, shared_
 from fs_plugins.data.instruction import IGNORE_INDEX
 
 
-
 def output_layer(model: torch.nn.Module) -> torch.nn.Module:
     head = model.get_output_embeddings()
     if head is None or getattr(head, 'bias', None) is not None:
