@@ -105,10 +105,14 @@ FLAME_MODEL = {'model': {'type': 'tiny-olmoe@fsplug_llm'}, 'fsplug': {'model': {
         'mlp.experts.gate_up_proj', 'mlp.experts.down_proj']}}}}
 # every registered method runs; these need a model or per-client configs of their own
 MODEL_SETUP = {'flame': FLAME_MODEL, 'hetlora_experts': FLAME_MODEL,   # tiny OLMoE; FLAME's
-               'flexlora_experts': FLAME_MODEL}                      # clients at k = 8, 4, 2, 1
+               'flexlora_experts': FLAME_MODEL,                      # clients at k = 8, 4, 2, 1
+               'perada': {'fsplug': {'perada': {'kd_steps': 3, 'kd_batch_size': 4,
+                                                'public_samples': 8},
+                                     'aggregation': {'per_architecture': True}}}}
 CLIENT_CFGS = {'hetlora': MIXED_RANKS, 'flexlora': MIXED_RANKS, 'fed_a2': MIXED_RANKS,
                'hetlora_experts': MIXED_RANKS, 'flexlora_experts': MIXED_RANKS,
-               'fedmosaic': HETEROGENEOUS}   # clients 3, 4 on a wider, deeper tiny Llama
+               'fedmosaic': HETEROGENEOUS,   # clients 3, 4 on a wider, deeper tiny Llama
+               'perada': HETEROGENEOUS}      # one server distillation model per type
 METHODS = sorted(all_methods())
 
 

@@ -14,6 +14,9 @@ from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 from test_methods import A_NUMEL, B_NUMEL, run, train_rows
 
 
+SMALL_KD = {'kd_steps': 4, 'kd_batch_size': 4, 'public_samples': 8}   # PerAda's server distillation
+
+
 def one_client(tmp_path, method, **updates) -> ClientProcedure:
     """Client 1 of the tiny federation, built but not trained."""
     cfg = load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, method, steps=2,
@@ -142,12 +145,12 @@ def test_feddat_receive_refreshes_the_frozen_global_copy_and_the_loss_distils(tm
 
 @pytest.mark.parametrize('method, personal_adapters', [
     ('ditto', ('personal',)), ('fedsim', ('local',)), ('feddpa', ('local',)),
-    ('feddat', ('dat_local', 'dat_global'))])
+    ('feddat', ('dat_local', 'dat_global')), ('perada', ('personal',))])
 def test_a_trained_projector_goes_with_the_global_model(tmp_path, method, personal_adapters):
     """Trained tensors outside the adapters (LLaVA's projector) train and are shared with the
     global adapter; only the personal adapters stay local."""
     from test_multimodal import vl_config
-    cfg, _ = vl_config(tmp_path, 'tiny_llava', fsplug={'method': method},
+    cfg, _ = vl_config(tmp_path, 'tiny_llava', fsplug={'method': method, 'perada': SMALL_KD},
                        eval={'freq': 100}, **{'federate': {'total_round_num': 1}})
     results, clients = run_embedded_keeping_clients(cfg)
     proc = clients[1]
@@ -158,3 +161,109 @@ def test_a_trained_projector_goes_with_the_global_model(tmp_path, method, person
     assert not any(f'.{a}.' in n for n in update for a in personal_adapters)
     initial = build_model(cfg, get_method_class(method)(cfg)).model.state_dict()
     assert any(not torch.equal(proc.params[n].detach(), initial[n]) for n in projector)
+
+
+def test_kd_maths_match_the_naive_formulas():
+    from fs_plugins.aggregation import ensemble_logits, kd_divergence
+    torch.manual_seed(0)
+    clients = [torch.randn(3, 7) for _ in range(4)]
+    teacher = ensemble_logits(clients)
+    assert torch.allclose(teacher, sum(clients) / 4)
+    student, temperature = torch.randn(3, 7), 2.0
+    p = torch.softmax(teacher / temperature, -1)
+    q = torch.softmax(student / temperature, -1)
+    naive = (p * (p.log() - q.log())).sum(-1).mean()
+    assert torch.allclose(kd_divergence(student, teacher, temperature), naive, atol=1e-6)
+    assert float(kd_divergence(teacher, teacher)) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match='differ in shape'):
+        ensemble_logits([torch.zeros(2, 3), torch.zeros(2, 4)])
+
+
+def test_perada_trains_personal_then_global_with_an_unhalved_proximal_term(tmp_path):
+    proc = one_client(tmp_path, 'perada', fsplug={'perada': {'lam': 0.3, **SMALL_KD}})
+    received = {n: p.detach() + 0.05 for n, p in adapter_params(proc, 'default').items()}
+    proc.receive(received)
+    batch = proc.stream.next()
+    activate_adapters(proc.model, ('personal',))
+    expected = sum(((proc.params[n.replace('.default.', '.personal.')] - t) ** 2).sum()
+                   for n, t in received.items())
+    assert torch.allclose(proc.method.loss(proc.model, batch, proc.state),
+                          proc.model(**batch).loss + 0.3 * expected)
+    proc.begin_round()
+    seen = []
+    for _ in range(len(proc.step_phases)):
+        batch = proc.next_batch()
+        seen.append((proc.current_phase.name, tuple(proc.model.base_model.active_adapters)))
+        proc.optimise(proc.compute_loss(batch))
+        proc.record(0.0, 1)
+    assert seen == [('personal', ('personal',))] * 2 + [('global', ('default',))] * 2
+    update = proc.end_round()
+    assert proc.model.base_model.active_adapters == ['personal']
+    assert update.shared and not any('.personal.' in n for n in update.shared)
+
+
+def test_perada_server_distils_the_average_towards_the_clients_ensemble(tmp_path):
+    """The server's global adapter starts at the FedAvg of the clients' global adapters and
+    ends closer (in KL on the public prompts) to their mean logits."""
+    from fs_plugins.aggregation import ensemble_logits, kd_divergence
+    from fs_plugins.aggregation import weighted_average
+    from fs_plugins.methods.base import ClientUpdate, load_tensors, weights_of
+    from fs_plugins.methods.perada import prompt_end_logits
+    proc = one_client(tmp_path, 'perada', fsplug={'perada': {**SMALL_KD, 'kd_steps': 30}})
+    method = get_method_class('perada')(proc.cfg)
+    torch.manual_seed(0)
+    base = proc.method.shared_tensors(proc.model, proc.trainable_names)
+    updates = [ClientUpdate(cid, 10, {n: t + 0.05 * torch.randn_like(t) for n, t in base.items()})
+               for cid in (1, 2, 3)]
+    state = method.aggregate(method.init_server_state(base), updates)
+    assert state['rounds'] == 1
+    averaged = weighted_average([u.shared for u in updates], weights_of(updates))
+    built, batches = method.server_model(updates)
+
+    def kl_to_teacher(tensors):
+        activate_adapters(built.model, ('default',))
+        built.model.eval()
+        with torch.no_grad():
+            teacher = []
+            for update in updates:
+                load_tensors(built.model, update.shared)
+                teacher.append([prompt_end_logits(built.model, b, 'cpu') for b in batches])
+            load_tensors(built.model, tensors)
+            return sum(float(kd_divergence(prompt_end_logits(built.model, b, 'cpu'),
+                                           ensemble_logits([t[i] for t in teacher])))
+                       for i, b in enumerate(batches))
+    assert kl_to_teacher(state['global']) < 0.8 * kl_to_teacher(averaged)
+    # kd_rounds: distillation only in the first rounds, then plain FedAvg
+    plain = get_method_class('perada')(proc.cfg)
+    plain.hparams.kd_rounds = 0
+    state = plain.aggregate(plain.init_server_state(base), updates)
+    assert all(torch.allclose(state['global'][n], averaged[n].float()) for n in averaged)
+
+
+def test_perada_server_model_must_fit_the_updates(tmp_path):
+    from fs_plugins.methods.base import ClientUpdate
+    proc = one_client(tmp_path, 'perada', fsplug={'perada': SMALL_KD})
+    method = get_method_class('perada')(proc.cfg)
+    wrong = ClientUpdate(3, 10, {'x.lora_A.default.weight': torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match="client 3's update does not fit"):
+        method.aggregate(method.init_server_state({}), [wrong])
+
+
+def test_perada_distils_each_architecture_with_its_clients_model(tmp_path, monkeypatch):
+    """Clients on two model types, aggregated per architecture: the server builds one
+    distillation model per type, from the configs of that type's clients."""
+    from fs_plugins.methods.perada import PerAda
+    built_for = []
+    original = PerAda.server_model
+
+    def spy(self, updates):
+        built, batches = original(self, updates)
+        built_for.append(({u.client_id for u in updates}, built.model.config.hidden_size))
+        return built, batches
+    monkeypatch.setattr(PerAda, 'server_model', spy)
+    run(tmp_path, 'perada', rounds=1, client_cfgs={
+        f'client_{i}': {'model': {'type': 'tiny-llama-large@fsplug_llm'}} for i in (3, 4)},
+        fsplug={'perada': SMALL_KD, 'aggregation': {'per_architecture': True}})
+    sizes = dict((frozenset(ids), size) for ids, size in built_for)
+    assert set(sizes) == {frozenset({1, 2}), frozenset({3, 4})}
+    assert sizes[frozenset({1, 2})] != sizes[frozenset({3, 4})]

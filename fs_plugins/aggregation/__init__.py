@@ -7,3 +7,4 @@ from fs_plugins.aggregation.activation import activation_aware_weights  # noqa: 
 from fs_plugins.aggregation.mosaic import (  # noqa: F401,E402
     align_a, align_b, customised_globals, pq_block_layers, rela_weights,
 )
+from fs_plugins.aggregation.distill import ensemble_logits, kd_divergence  # noqa: F401,E402

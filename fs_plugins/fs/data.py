@@ -8,6 +8,8 @@ from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
 # client id -> name (source dataset), for result labels on the server of this process
 CLIENT_NAMES: dict[int, str] = {}
+# client id -> its --client_cfg entry, for the server of this process (Method.client_configs)
+CLIENT_OVERRIDES: dict[int, dict] = {}
 
 
 def lookup_data(config, client_cfgs):
@@ -17,9 +19,11 @@ def lookup_data(config, client_cfgs):
     records = build_federated_records(config)
     config.federate.client_num = records.client_num
     # every client entry checked (ids, keys, values) before any model is built
-    client_overrides(client_cfgs, config, fs_known_keys(config))
+    overrides = client_overrides(client_cfgs, config, fs_known_keys(config))
     CLIENT_NAMES.clear()
     CLIENT_NAMES.update(records.client_names)
+    CLIENT_OVERRIDES.clear()
+    CLIENT_OVERRIDES.update(overrides)
     if config.federate.mode.lower() == 'distributed':
         if config.distribute.role == 'server':
             return None, config

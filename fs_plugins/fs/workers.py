@@ -23,7 +23,8 @@ from federatedscope.core.message import Message
 from federatedscope.core.workers import Client, Server
 
 from fs_plugins.client import ClientProcedure
-from fs_plugins.fs.data import CLIENT_NAMES
+from fs_plugins.config import Cfg, merge, to_plain
+from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES
 from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.fs.wire import MARKER, decode_update, encode_tensors, encode_update
 from fs_plugins.methods.registry import get_method_class
@@ -82,6 +83,9 @@ class PluginServer(Server):
                  **kwargs):
         share_fs_logging()
         method = get_method_class(config.fsplug.method)(config)
+        # FS has checked these entries and merges them itself on the clients' side
+        method.client_configs = {cid: Cfg.wrap(merge(to_plain(config), override))
+                                 for cid, override in CLIENT_OVERRIDES.items()}
         shared, layout = initial_global(config, method)
         model = GlobalState(shared)
         super().__init__(ID, state, config, data, model, client_num, total_round_num, device,

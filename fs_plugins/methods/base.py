@@ -86,6 +86,9 @@ class Method:
         self.cfg = cfg
         self.hparams = self.options(cfg)
         self.client_id: Optional[int] = None   # set by the ClientProcedure that uses it
+        # server side: {client id: that client's config} where the runner knows them (for
+        # methods that build a client's model on the server, e.g. PerAda's distillation)
+        self.client_configs: dict = {}
 
     @classmethod
     def options(cls, cfg):

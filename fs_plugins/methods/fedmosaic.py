@@ -89,7 +89,7 @@ class FedMosaicConfig:
                                     f'{ALIGNMENT_DIR_NAME} (FSPLUG_CACHE, else ~/.cache/fs_plugins)')
     alignment_data: str = option('', 'public data for the alignment: a .json/.jsonl record file, '
                                      'or a builtin dataset name (its train records); '
-                                     "'' = the builtin named by data.type")
+                                     "'' = the run's data (data.type)")
     alignment_samples: int = option(64, 'public records used for the alignment', ge=2)
     alignment_reg: float = option(0.5, 'λ of the orthonormality term λ‖A Aᵀ − I‖² (Eq. 20; §A.7: '
                                        '0.5)', ge=0)

@@ -47,6 +47,7 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
         shared, layout = initial_global(cfg, method)
         server = ServerProcedure(cfg, method, shared, results, layout)
         clients = build_clients(cfg, method_cls, records, overrides, device_for(cfg))
+        method.client_configs = {cid: client.cfg for cid, client in clients.items()}
         for cid, client in clients.items():
             client.predictions_path = predictions_path(results.out_dir, cid)
         total = cfg.federate.total_round_num

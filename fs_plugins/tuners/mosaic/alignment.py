@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from fs_plugins.aggregation.mosaic import align_a, align_b, cca_projections
+from fs_plugins.data.public import public_records
 from fs_plugins.errors import ConfigError
 from fs_plugins.tuners.mosaic.layer import MosaicLinear
 
@@ -217,30 +218,6 @@ def apply_alignment(model, pq_layers: dict[str, str],
 
 
 # ------------------------------------------------------------------------- orchestration
-def public_records(source: str, data_type: str, count: int, seed: int) -> list[dict]:
-    """`count` public records for the alignment (seeded choice): from a .json/.jsonl file, or
-    the train records of a builtin dataset (`source`, else the one data.type names)."""
-    import numpy as np
-    from fs_plugins.data.builtin import BUILTIN_DATASETS
-    from fs_plugins.data.instruction import load_records
-    name = source or str(data_type).rsplit('@', 1)[0]
-    if source and (os.sep in source or source.endswith(('.json', '.jsonl'))):
-        if not os.path.isfile(source):
-            raise ConfigError(f"fsplug.fedmosaic.alignment_data: file not found: {source}")
-        records = load_records(source)
-    elif name in BUILTIN_DATASETS:
-        records = [r for r in BUILTIN_DATASETS[name]() if r.get('split', 'train') == 'train']
-    else:
-        raise ConfigError(f"fsplug.fedmosaic.alignment_data = {source!r}: give a .json/.jsonl "
-                          f"record file or a builtin dataset ({', '.join(sorted(BUILTIN_DATASETS))}); "
-                          f"data.type '{data_type}' is not builtin")
-    if len(records) < 2:
-        raise ConfigError(f"fsplug.fedmosaic.alignment_data ({name}): {len(records)} record(s); "
-                          f"the alignment needs at least 2")
-    order = np.random.default_rng(seed).permutation(len(records))[:count]
-    return [records[int(i)] for i in sorted(order)]
-
-
 def default_folder() -> str:
     from fs_plugins.models.cache import cache_dir
     return os.path.join(cache_dir(), 'fedmosaic_alignment')
@@ -294,8 +271,8 @@ def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
         raise ConfigError(f"FedMosaic: {name} has no alignment to the pivot "
                           f"'{pivot_cfg.model.type}' (r={r}) in {os.path.dirname(path)} and "
                           f"fsplug.fedmosaic.alignment = 'require'; run once with 'compute'")
-    records = public_records(hp.alignment_data, cfg.data.type, hp.alignment_samples,
-                             derive_alignment_seed(cfg.seed))
+    records = public_records(hp.alignment_data, cfg, hp.alignment_samples,
+                             derive_alignment_seed(cfg.seed), 'fsplug.fedmosaic.alignment_data')
     pivot_model = pivot.model().model
     pivot_inputs, pivot_ids = layer_inputs(pivot_model, pivot_model.fedmosaic_pq, pivot.codec,
                                            records)

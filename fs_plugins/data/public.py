@@ -1,0 +1,39 @@
+"""Public (server-side or shared) records that methods use besides the clients' data:
+FedMosaic's alignment data, PerAda's unlabelled distillation data."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from fs_plugins.errors import ConfigError
+
+
+def public_records(source: str, cfg, count: int, seed: int, key: str) -> list[dict]:
+    """`count` records (a seeded choice, in file order) from `source`: a .json/.jsonl file,
+    or a builtin dataset name; '' = the run's own data (data.type). Records marked with
+    another 'split' than 'train' are left out. `key` is the config key `source` came from,
+    for the errors."""
+    from fs_plugins.data.builtin import BUILTIN_DATASETS
+    from fs_plugins.data.federated import resolve_data_path
+    from fs_plugins.data.instruction import load_records
+    name = source or str(cfg.data.type).rsplit('@', 1)[0]
+    if not source:
+        try:
+            records = load_records(resolve_data_path(cfg))
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{key} = '' (the run's data): {exc}") from None
+    elif os.sep in source or source.endswith(('.json', '.jsonl')):
+        if not os.path.isfile(source):
+            raise ConfigError(f"{key}: file not found: {source}")
+        records = load_records(source)
+    elif source in BUILTIN_DATASETS:
+        records = BUILTIN_DATASETS[source]()
+    else:
+        raise ConfigError(f"{key} = {source!r}: give a .json/.jsonl record file or a builtin "
+                          f"dataset ({', '.join(sorted(BUILTIN_DATASETS))})")
+    records = [r for r in records if r.get('split', 'train') == 'train']
+    if len(records) < 2:
+        raise ConfigError(f"{key} ({name}): {len(records)} record(s); at least 2 are needed")
+    order = np.random.default_rng(seed).permutation(len(records))[:count]
+    return [records[int(i)] for i in sorted(order)]
