@@ -379,3 +379,37 @@ def test_customised_globals_follow_eq4_within_and_across_architectures():
     assert not torch.allclose(globals_[0]['pq/block1.q/P'], globals_[2]['pq/block1.q/P'])
     with pytest.raises(ValueError, match='4 clients, weights'):
         customised_globals(locals_, weights[:3, :3], arch, lambda n: True)
+
+
+# ------------------------------------------------------------------------------ streamed moments
+
+def test_alignment_moments_stream_to_the_full_batch_objective_and_cca():
+    """Rows added batch by batch give Eq. 20's value and the B-output CCA of all rows at once."""
+    from fs_plugins.aggregation.mosaic import (AlignmentMoments, a_alignment_loss_from_moments,
+                                               align_a_from_moments, b_output_cca)
+    m, r, d_i, d_j, out_i, out_j = 90, 3, 10, 12, 14, 9
+    x_i = torch.randn(m, d_i, generator=_gen(60), dtype=torch.float64) + 0.5
+    x_j = x_i @ torch.randn(d_i, d_j, generator=_gen(61), dtype=torch.float64)
+    a_i = orthonormal_rows(r, d_i, generator=_gen(62)).double()
+    a_j = orthonormal_rows(r, d_j, generator=_gen(63)).double()
+    b_i = orthonormal_columns(out_i, r, generator=_gen(64)).double()
+    b_j = orthonormal_columns(out_j, r, generator=_gen(65)).double()
+    z = x_i @ a_i.T
+    streamed = AlignmentMoments.zeros(r, d_j)
+    for start in range(0, m, 7):
+        streamed.add(z[start:start + 7], x_j[start:start + 7])
+    assert streamed.count == m
+    torch.testing.assert_close(a_alignment_loss_from_moments(streamed, a_j, 0.5),
+                               a_alignment_loss(z, x_j, a_j, 0.5))
+    torch.testing.assert_close(align_a_from_moments(streamed, a_j, steps=30),
+                               align_a(z, x_j, a_j, steps=30))
+    pi_i, pi_j = b_output_cca(streamed, b_i, a_j, b_j)
+    ref_i, ref_j = cca_projections(z @ b_i.T, x_j @ a_j.T @ b_j.T, r)
+    # canonical directions are unique up to sign: compare the projected features
+    h_i, h_j = z @ b_i.T, x_j @ a_j.T @ b_j.T
+    for h, got, ref in ((h_i, pi_i, ref_i), (h_j, pi_j, ref_j)):
+        got, ref = h @ got, h @ ref
+        signs = torch.sign((got * ref).sum(0))
+        torch.testing.assert_close(got * signs, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match='expected pivot_features'):
+        streamed.add(z[:3], x_i[:3])

@@ -18,6 +18,7 @@ when an input is float64, unless a function says otherwise. Inputs are never mod
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -25,7 +26,9 @@ import torch
 __all__ = [
     'pq_block_layers', 'rela_weights', 'shared_mask', 'sanitise_gradient', 'ema_update',
     'orthonormal_rows', 'orthonormal_columns', 'nearest_orthonormal_rows', 'align_a',
-    'a_alignment_loss', 'cca_projections', 'canonical_correlations', 'align_b',
+    'AlignmentMoments', 'a_alignment_loss_from_moments', 'align_a_from_moments',
+    'a_alignment_loss', 'cca_projections', 'cca_from_covariances', 'b_output_cca',
+    'canonical_correlations', 'align_b',
     'customised_globals',
 ]
 
@@ -264,31 +267,105 @@ def _check_alignment_shapes(pivot_features: torch.Tensor, inputs: torch.Tensor,
                          f'{tuple(a.shape)}')
 
 
+@dataclass
+class AlignmentMoments:
+    """Sums over m paired public rows of the pivot's A outputs z_k = A_i x_k^(i) (r) and the
+    other model's inputs x_k (d_j) to the same PQ layer: everything Eq. 20's fit term and the
+    CCA of the two B outputs need, so public data of any size streams through in batches
+    (memory O(d_j²), not O(m·d_j)). float64."""
+    count: int
+    sum_z: torch.Tensor    # (r,)    Σ z_k
+    sum_x: torch.Tensor    # (d_j,)  Σ x_k
+    zz: torch.Tensor       # (r, r)  Σ z_k z_kᵀ
+    xz: torch.Tensor       # (d_j, r) Σ x_k z_kᵀ
+    xx: torch.Tensor       # (d_j, d_j) Σ x_k x_kᵀ
+
+    @classmethod
+    def zeros(cls, r: int, d: int) -> 'AlignmentMoments':
+        def z(*shape):
+            return torch.zeros(*shape, dtype=torch.float64)
+        return cls(0, z(r), z(d), z(r, r), z(d, r), z(d, d))
+
+    @classmethod
+    def of(cls, pivot_features: torch.Tensor, inputs: torch.Tensor) -> 'AlignmentMoments':
+        moments = cls.zeros(pivot_features.shape[1], inputs.shape[1])
+        moments.add(pivot_features, inputs)
+        return moments
+
+    def add(self, pivot_features: torch.Tensor, inputs: torch.Tensor) -> None:
+        """Adds rows: pivot_features (n, r) = z_k, inputs (n, d_j) = x_k."""
+        for name, t in (('pivot_features', pivot_features), ('inputs', inputs)):
+            _check_matrix(name, t)
+        if (pivot_features.shape[0] != inputs.shape[0]
+                or pivot_features.shape[1] != self.zz.shape[0] or inputs.shape[1] != self.xx.shape[0]):
+            raise ValueError(f'expected pivot_features (n, {self.zz.shape[0]}) and inputs '
+                             f'(n, {self.xx.shape[0]}); got {tuple(pivot_features.shape)}, '
+                             f'{tuple(inputs.shape)}')
+        z = pivot_features.detach().to(torch.float64)
+        x = inputs.detach().to(torch.float64)
+        self.count += z.shape[0]
+        self.sum_z += z.sum(0)
+        self.sum_x += x.sum(0)
+        self.zz += z.T @ z
+        self.xz += x.T @ z
+        self.xx += x.T @ x
+
+    def covariances(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample covariances (÷ (m − 1)): Cov(z) (r, r), Cov(x) (d_j, d_j), Cov(x, z) (d_j, r)."""
+        m = self.count
+        if m < 2:
+            raise ValueError(f'covariances need at least 2 rows, got {m}')
+        mean_z, mean_x = self.sum_z / m, self.sum_x / m
+        return ((self.zz - m * torch.outer(mean_z, mean_z)) / (m - 1),
+                (self.xx - m * torch.outer(mean_x, mean_x)) / (m - 1),
+                (self.xz - m * torch.outer(mean_x, mean_z)) / (m - 1))
+
+
+def a_alignment_loss_from_moments(moments: AlignmentMoments, a: torch.Tensor,
+                                  reg: float) -> torch.Tensor:
+    """:func:`a_alignment_loss` from the rows' moments: mean_k ‖z_k − A x_k‖² =
+    (tr Σzzᵀ − 2 tr(A Σxzᵀ) + tr(A Σxxᵀ Aᵀ)) / m, plus λ‖A Aᵀ − I_r‖²_F (a's dtype)."""
+    if moments.count < 1 or a.shape != (moments.zz.shape[0], moments.xx.shape[0]):
+        raise ValueError(f'a must be (r, d_j) = {tuple(moments.xz.T.shape)} and the moments '
+                         f'non-empty; got a {tuple(a.shape)}, {moments.count} rows')
+    zz, xz, xx = (t.to(a.dtype) for t in (moments.zz, moments.xz, moments.xx))
+    fit = (zz.trace() - 2 * (a @ xz).trace() + (a @ xx * a).sum()) / moments.count
+    identity = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    return fit + reg * (a @ a.T - identity).pow(2).sum()
+
+
 def align_a(pivot_features: torch.Tensor, inputs: torch.Tensor, a_init: torch.Tensor,
             reg: float = 0.5, steps: int = 200, lr: float = 1e-2) -> torch.Tensor:
     """Align a non-pivot model's PQ-LoRA A_j to the frozen pivot A_i (§4.2.2, Eq. 20, then
-    Eq. 23): minimise :func:`a_alignment_loss` over A_j from a_init with `steps` full-batch
-    Adam steps (float32, deterministic), then return :func:`nearest_orthonormal_rows` of the
-    result, an (r, d_j) matrix with A_j A_jᵀ = I.
+    Eq. 23): :func:`align_a_from_moments` of the rows' :class:`AlignmentMoments`.
 
     pivot_features (m, r) are the pivot's A outputs A_i(x) on public data, inputs (m, d_j) the
     other model's inputs to that layer on the same data, a_init (r, d_j) its initial A.
+    """
+    _check_alignment_shapes(pivot_features, inputs, a_init)
+    return align_a_from_moments(AlignmentMoments.of(pivot_features, inputs), a_init, reg, steps, lr)
+
+
+def align_a_from_moments(moments: AlignmentMoments, a_init: torch.Tensor, reg: float = 0.5,
+                         steps: int = 200, lr: float = 1e-2) -> torch.Tensor:
+    """Minimises Eq. 20 over all the public rows at once (:func:`a_alignment_loss_from_moments`)
+    from a_init with `steps` full-batch Adam steps (float64, deterministic), then returns
+    :func:`nearest_orthonormal_rows` of the result, an (r, d_j) matrix with A_j A_jᵀ = I.
 
     Eq. 20 writes the regulariser as ‖A_jᵀ A_j − I‖²_F, but A_j is r × d_j with orthonormal
     rows (Eq. 18), so A_jᵀ A_j is a rank-r projection that can never equal I_{d_j}; the
     identity-sized term that matches Eq. 18 is A_j A_jᵀ (r × r), used here.
     """
-    _check_alignment_shapes(pivot_features, inputs, a_init)
+    _check_matrix('a_init', a_init)
     if steps < 0:
         raise ValueError(f'steps must be >= 0, got {steps}')
-    target = pivot_features.detach().to(torch.float32)
-    x = inputs.detach().to(torch.float32)
-    a = a_init.detach().to(torch.float32).clone().requires_grad_(True)
+    a = a_init.detach().to(torch.float64).clone().requires_grad_(True)
+    a_alignment_loss_from_moments(moments, a.detach(), reg)   # checks the shapes
     optimiser = torch.optim.Adam([a], lr=lr)
     with torch.enable_grad():
         for _ in range(steps):
             optimiser.zero_grad()
-            a_alignment_loss(target, x, a, reg).backward()
+            a_alignment_loss_from_moments(moments, a, reg).backward()
             optimiser.step()
     return nearest_orthonormal_rows(a.detach()).to(_result_dtype(a_init))
 
@@ -317,22 +394,45 @@ def cca_projections(h_pivot: torch.Tensor, h_other: torch.Tensor, r: int,
     """
     _check_matrix('h_pivot', h_pivot)
     _check_matrix('h_other', h_other)
-    m, d_i = h_pivot.shape
-    d_j = h_other.shape[1]
+    m = h_pivot.shape[0]
     if h_other.shape[0] != m or m < 2:
         raise ValueError(f'h_pivot and h_other need the same m >= 2 rows, got shapes '
                          f'{tuple(h_pivot.shape)} and {tuple(h_other.shape)}')
-    if not 1 <= r <= min(d_i, d_j):
-        raise ValueError(f'r must be in [1, min(d_i={d_i}, d_j={d_j})], got r={r}')
     hi = h_pivot.detach().to(torch.float64)
     hj = h_other.detach().to(torch.float64)
     hi, hj = hi - hi.mean(dim=0), hj - hj.mean(dim=0)
-    whiten_i = _inverse_sqrt(hi.T @ hi / (m - 1) + eps * torch.eye(d_i, dtype=torch.float64))
-    whiten_j = _inverse_sqrt(hj.T @ hj / (m - 1) + eps * torch.eye(d_j, dtype=torch.float64))
-    cross = whiten_i @ (hi.T @ hj / (m - 1)) @ whiten_j
-    u, _, vh = torch.linalg.svd(cross, full_matrices=False)
+    pi_i, pi_j = cca_from_covariances(hi.T @ hi / (m - 1), hj.T @ hj / (m - 1),
+                                      hi.T @ hj / (m - 1), r, eps)
     dtype = _result_dtype(h_pivot, h_other)
-    return (whiten_i @ u[:, :r]).to(dtype), (whiten_j @ vh[:r].T).to(dtype)
+    return pi_i.to(dtype), pi_j.to(dtype)
+
+
+def cca_from_covariances(c_ii: torch.Tensor, c_jj: torch.Tensor, c_ij: torch.Tensor, r: int,
+                         eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cca_projections` from the covariances C_ii (d_i, d_i), C_jj (d_j, d_j) and
+    C_ij = Cov(H_i, H_j) (d_i, d_j); float64 Π_i (d_i, r), Π_j (d_j, r)."""
+    d_i, d_j = c_ii.shape[0], c_jj.shape[0]
+    if c_ij.shape != (d_i, d_j):
+        raise ValueError(f'expected c_ij of shape ({d_i}, {d_j}), got {tuple(c_ij.shape)}')
+    if not 1 <= r <= min(d_i, d_j):
+        raise ValueError(f'r must be in [1, min(d_i={d_i}, d_j={d_j})], got r={r}')
+    c_ii, c_jj, c_ij = (t.detach().to(torch.float64) for t in (c_ii, c_jj, c_ij))
+    whiten_i = _inverse_sqrt(c_ii + eps * torch.eye(d_i, dtype=torch.float64))
+    whiten_j = _inverse_sqrt(c_jj + eps * torch.eye(d_j, dtype=torch.float64))
+    u, _, vh = torch.linalg.svd(whiten_i @ c_ij @ whiten_j, full_matrices=False)
+    return whiten_i @ u[:, :r], whiten_j @ vh[:r].T
+
+
+def b_output_cca(moments: AlignmentMoments, b_pivot: torch.Tensor, a_other: torch.Tensor,
+                 b_other: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CCA of the two models' B outputs h_i = B_i z and h_j = B_j A_j x (Algorithm 4) from
+    the rows' moments: C_ii = B_i Cov(z) B_iᵀ, C_jj = B_j A_j Cov(x) A_jᵀ B_jᵀ,
+    C_ij = B_i Cov(x, z)ᵀ A_jᵀ B_jᵀ; returns :func:`cca_from_covariances` at r = B's rank."""
+    cov_z, cov_x, cov_xz = moments.covariances()
+    b_i, a_j, b_j = (t.detach().to(torch.float64) for t in (b_pivot, a_other, b_other))
+    map_j = b_j @ a_j                                   # x -> h_j
+    return cca_from_covariances(b_i @ cov_z @ b_i.T, map_j @ cov_x @ map_j.T,
+                                b_i @ cov_xz.T @ map_j.T, b_i.shape[1], eps)
 
 
 def canonical_correlations(h_pivot: torch.Tensor, h_other: torch.Tensor, pi_pivot: torch.Tensor,

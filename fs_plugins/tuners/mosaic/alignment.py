@@ -1,13 +1,16 @@
 """Weight alignment of PQ-LoRA across architectures before federated training (paper §4.2.2,
 A.5, Algorithms 3-4), run once per pair (pivot model, other model) and cached on disk.
 
-Both models run their frozen base (LoRA scaled to 0) on the same public records; forward
-hooks on the PQ-LoRA layers capture each layer's input x. Per pair of PQ layers (same block,
-same module path inside the decoder layer):
+Both models run their frozen base (adapters disabled) on the same public records, batch by
+batch; forward hooks on the PQ-LoRA layers capture each layer's input x, which is reduced at
+once to sums (aggregation.mosaic.AlignmentMoments), so memory does not grow with the public
+data (the paper aligns on 5000 samples). Per pair of PQ layers (same block, same module path
+inside the decoder layer), over all the public rows at once:
   A: the other model's A_j is fitted so that A_j x_j matches the pivot's A_i x_i, plus
-     λ‖A_j A_jᵀ − I‖², then projected to orthonormal rows (aggregation.mosaic.align_a);
+     λ‖A_j A_jᵀ − I‖², then projected to orthonormal rows (aggregation.mosaic.
+     align_a_from_moments);
   B: CCA between the B outputs B_i A_i x_i and B_j A_j x_j (with the aligned A_j), then
-     B_j = (Π_j⁺)ᵀ Π_iᵀ B_i (aggregation.mosaic.cca_projections, align_b).
+     B_j = (Π_j⁺)ᵀ Π_iᵀ B_i (aggregation.mosaic.b_output_cca, align_b).
 When both models tokenise the public records identically (same tokenizer and image
 tokens), the features are per token, as in Algorithm 3; otherwise each record's tokens are
 averaged, so models with different tokenizers can still be aligned.
@@ -22,12 +25,14 @@ import json
 import logging
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from fs_plugins.aggregation.mosaic import align_a, align_b, cca_projections
+from fs_plugins.aggregation.mosaic import (AlignmentMoments, a_alignment_loss_from_moments,
+                                          align_a_from_moments, align_b, b_output_cca)
 from fs_plugins.data.public import public_records
 from fs_plugins.errors import ConfigError
 from fs_plugins.tuners.mosaic.layer import MosaicLinear
@@ -88,27 +93,28 @@ def load_alignment(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def _batches(codec, records: list[dict], batch_size: int):
     from fs_plugins.models.codecs import EncodedDataset
     dataset = EncodedDataset(records, codec, 'FedMosaic alignment public data')
-    items = [dataset[i] for i in range(len(dataset))]
-    for start in range(0, len(items), batch_size):
-        batch = codec.collate(items[start:start + batch_size])
+    for start in range(0, len(dataset), batch_size):
+        batch = codec.collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
         batch.pop('labels', None)
         yield batch
 
 
-@torch.no_grad()
-def layer_inputs(model, pq_layers: dict[str, str], codec, records: list[dict],
-                 batch_size: int = 8) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
-    """Runs the frozen base (adapters disabled) on `records`; returns, per PQ key, one
-    (tokens, d_in) float32 tensor per record (its non-padding tokens' inputs to the layer),
-    and each record's input ids (to tell whether two models tokenise alike)."""
+def same_tokens(pivot_codec, codec, records: list[dict]) -> bool:
+    """Whether both codecs encode every record to the same token ids (then the two models'
+    layer inputs pair token by token)."""
+    return all(torch.equal(pivot_codec.encode(r)['input_ids'], codec.encode(r)['input_ids'])
+               for r in records)
+
+
+@contextmanager
+def base_layer_inputs(model, pq_layers: dict[str, str]):
+    """While open, every forward of `model` runs its frozen base (adapters disabled, eval
+    mode) and leaves each PQ layer's input in the yielded {pq key: (batch, tokens, d_in)}."""
     modules = dict(model.named_modules())
-    captured: dict[str, list[torch.Tensor]] = {key: [] for key in pq_layers.values()}
     current: dict[str, torch.Tensor] = {}
     handles = [modules[name].register_forward_hook(
         lambda _m, args, _out, key=key: current.__setitem__(key, args[0].detach()))
         for name, key in pq_layers.items()]
-    ids_per_record: list[torch.Tensor] = []
-    device = next(model.parameters()).device
     was_training = model.training
     # peft's disable_adapter() re-enables adapters on exit with set_adapter(), which makes
     # every LoRA weight trainable again, PQ-LoRA's frozen A, B included: restore the flags
@@ -116,36 +122,57 @@ def layer_inputs(model, pq_layers: dict[str, str], codec, records: list[dict],
     model.eval()
     try:
         with model.disable_adapter():
-            for batch in _batches(codec, records, batch_size):
-                batch = {k: v.to(device) for k, v in batch.items()}
-                model(**batch)
-                mask = batch['attention_mask'].bool()
-                for row in range(mask.shape[0]):
-                    ids_per_record.append(batch['input_ids'][row][mask[row]].cpu())
-                for key, value in current.items():
-                    if value.shape[:2] != mask.shape:
-                        raise ValueError(f'FedMosaic alignment: the input of PQ layer {key} has '
-                                         f'shape {tuple(value.shape)}, expected (batch, tokens) '
-                                         f'= {tuple(mask.shape)} first')
-                    captured[key] += [value[row][mask[row]].float().cpu()
-                                      for row in range(mask.shape[0])]
-                current.clear()
+            yield current
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
         for param, flag in requires_grad.items():
             param.requires_grad_(flag)
-    return captured, ids_per_record
 
 
-def paired_features(pivot: list[torch.Tensor], other: list[torch.Tensor],
-                    per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m, d_i), (m, d_j) rows of matching samples: tokens when per_token, else record means."""
+def _rows(value: torch.Tensor, mask: torch.Tensor, per_token: bool, key: str) -> torch.Tensor:
+    """(n, d) float64 rows of one batch's layer input: its non-padding tokens, or the mean of
+    each record's tokens."""
+    if value.shape[:2] != mask.shape:
+        raise ValueError(f'FedMosaic alignment: the input of PQ layer {key} has shape '
+                         f'{tuple(value.shape)}, expected (batch, tokens) = {tuple(mask.shape)} '
+                         f'first')
+    value = value.to(torch.float64)
     if per_token:
-        return torch.cat(pivot), torch.cat(other)
-    return (torch.stack([t.mean(dim=0) for t in pivot]),
-            torch.stack([t.mean(dim=0) for t in other]))
+        return value[mask]
+    return torch.stack([value[row][mask[row]].mean(0) for row in range(mask.shape[0])])
+
+
+@torch.no_grad()
+def alignment_moments(pivot_model, pivot_codec, model, codec, records: list[dict],
+                      per_token: bool, batch_size: int = 8) -> dict[str, AlignmentMoments]:
+    """Streams `records` through both frozen bases batch by batch; per PQ key, the moments of
+    the pivot's A outputs z = A_i x_i and the other model's layer inputs x_j
+    (aggregation.mosaic.AlignmentMoments), so no layer input is kept."""
+    pivot_a = {key: a.to(torch.float64) for key, (a, _) in lora_factors(
+        pivot_model, pivot_model.fedmosaic_pq).items()}
+    moments: dict[str, AlignmentMoments] = {}
+    devices = (next(pivot_model.parameters()).device, next(model.parameters()).device)
+    with base_layer_inputs(pivot_model, pivot_model.fedmosaic_pq) as pivot_inputs, \
+            base_layer_inputs(model, model.fedmosaic_pq) as other_inputs:
+        for pivot_batch, other_batch in zip(_batches(pivot_codec, records, batch_size),
+                                            _batches(codec, records, batch_size)):
+            masks = []
+            for net, batch, device in ((pivot_model, pivot_batch, devices[0]),
+                                       (model, other_batch, devices[1])):
+                batch = {k: v.to(device) for k, v in batch.items()}
+                net(**batch)
+                masks.append(batch['attention_mask'].bool().cpu())
+            for key, a in pivot_a.items():
+                z = _rows(pivot_inputs[key].cpu(), masks[0], per_token, key) @ a.T
+                x = _rows(other_inputs[key].cpu(), masks[1], per_token, key)
+                if key not in moments:
+                    moments[key] = AlignmentMoments.zeros(z.shape[1], x.shape[1])
+                moments[key].add(z, x)
+            pivot_inputs.clear()
+            other_inputs.clear()
+    return moments
 
 
 # ------------------------------------------------------------------------- alignment
@@ -178,26 +205,19 @@ def check_pairing(pivot_keys, other_keys, pivot_r: int, other_r: int, other_name
                           f"architectures, so r must be the same for every model")
 
 
-def compute_alignment(pivot_inputs: dict[str, list[torch.Tensor]],
-                      other_inputs: dict[str, list[torch.Tensor]],
-                      pivot_factors: dict, other_factors: dict, per_token: bool,
-                      reg: float, steps: int, lr: float) -> tuple[dict, dict]:
+def compute_alignment(moments: dict[str, AlignmentMoments], pivot_factors: dict,
+                      other_factors: dict, reg: float, steps: int,
+                      lr: float) -> tuple[dict, dict]:
     """{pq key: (aligned A_j, aligned B_j)} and per key the A objective before / after."""
-    from fs_plugins.aggregation.mosaic import a_alignment_loss
     aligned, report = {}, {}
     for key in sorted(pivot_factors):
-        a_i, b_i = pivot_factors[key]
+        _, b_i = pivot_factors[key]
         a_j, b_j = other_factors[key]
-        x_i, x_j = paired_features(pivot_inputs[key], other_inputs[key], per_token)
-        target = x_i @ a_i.T
-        new_a = align_a(target, x_j, a_j, reg=reg, steps=steps, lr=lr)
-        h_i = target @ b_i.T
-        h_j = (x_j @ new_a.T) @ b_j.T
-        pi_i, pi_j = cca_projections(h_i, h_j, a_i.shape[0])
-        new_b = align_b(b_i, pi_i, pi_j)
-        aligned[key] = (new_a, new_b)
-        report[key] = (float(a_alignment_loss(target, x_j, a_j, reg)),
-                       float(a_alignment_loss(target, x_j, new_a, reg)))
+        new_a = align_a_from_moments(moments[key], a_j, reg=reg, steps=steps, lr=lr)
+        pi_i, pi_j = b_output_cca(moments[key], b_i, new_a, b_j)
+        aligned[key] = (new_a, align_b(b_i, pi_i, pi_j).to(b_j.dtype))
+        report[key] = tuple(float(a_alignment_loss_from_moments(moments[key], a.double(), reg))
+                            for a in (a_j, new_a))
     return aligned, report
 
 
@@ -274,14 +294,10 @@ def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
     records = public_records(hp.alignment_data, cfg, hp.alignment_samples,
                              derive_alignment_seed(cfg.seed), 'fsplug.fedmosaic.alignment_data')
     pivot_model = pivot.model().model
-    pivot_inputs, pivot_ids = layer_inputs(pivot_model, pivot_model.fedmosaic_pq, pivot.codec,
-                                           records)
-    other_inputs, other_ids = layer_inputs(model, model.fedmosaic_pq, codec, records)
-    per_token = len(pivot_ids) == len(other_ids) and all(
-        a.shape == b.shape and bool((a == b).all()) for a, b in zip(pivot_ids, other_ids))
-    aligned, report = compute_alignment(pivot_inputs, other_inputs, pivot_factors, other_factors,
-                                        per_token, hp.alignment_reg, hp.alignment_steps,
-                                        hp.alignment_lr)
+    per_token = same_tokens(pivot.codec, codec, records)
+    moments = alignment_moments(pivot_model, pivot.codec, model, codec, records, per_token)
+    aligned, report = compute_alignment(moments, pivot_factors, other_factors, hp.alignment_reg,
+                                        hp.alignment_steps, hp.alignment_lr)
     apply_alignment(model, model.fedmosaic_pq, aligned)
     save_alignment(path, aligned, {'pivot': pivot_cfg.model.type, 'model': cfg.model.type, 'r': r,
                                    'per_token': per_token, **settings})
