@@ -26,6 +26,18 @@ def one_client(tmp_path, method, **updates) -> ClientProcedure:
                            build_federated_records(cfg).clients[1])
 
 
+def phases_of_one_round(proc) -> list[tuple[str, tuple[str, ...]]]:
+    """Trains one local round (without ending it); per step, its phase and active adapters."""
+    proc.begin_round()
+    seen = []
+    for _ in range(len(proc.step_phases)):
+        batch = proc.next_batch()
+        seen.append((proc.current_phase.name, tuple(proc.model.base_model.active_adapters)))
+        proc.optimise(proc.compute_loss(batch))
+        proc.record(0.0, 1)
+    return seen
+
+
 def adapter_params(proc, adapter):
     return {n: p for n, p in proc.params.items() if f'.{adapter}.' in n}
 
@@ -52,14 +64,7 @@ def test_ditto_trains_global_then_personal_and_evaluates_the_personal_model(tmp_
 
 def test_ditto_phases_run_one_adapter_at_a_time(tmp_path):
     proc = one_client(tmp_path, 'ditto')
-    proc.begin_round()
-    seen = []
-    for _ in range(len(proc.step_phases)):
-        batch = proc.next_batch()
-        seen.append((proc.current_phase.name, tuple(proc.model.base_model.active_adapters)))
-        proc.optimise(proc.compute_loss(batch))
-        proc.record(0.0, 1)
-    assert seen == [('global', ('default',))] * 2 + [('personal', ('personal',))] * 2
+    assert phases_of_one_round(proc) == [('global', ('default',))] * 2 + [('personal', ('personal',))] * 2
     proc.end_round()
     assert proc.model.base_model.active_adapters == ['personal']
 
@@ -189,14 +194,7 @@ def test_perada_trains_personal_then_global_with_an_unhalved_proximal_term(tmp_p
                    for n, t in received.items())
     assert torch.allclose(proc.method.loss(proc.model, batch, proc.state),
                           proc.model(**batch).loss + 0.3 * expected)
-    proc.begin_round()
-    seen = []
-    for _ in range(len(proc.step_phases)):
-        batch = proc.next_batch()
-        seen.append((proc.current_phase.name, tuple(proc.model.base_model.active_adapters)))
-        proc.optimise(proc.compute_loss(batch))
-        proc.record(0.0, 1)
-    assert seen == [('personal', ('personal',))] * 2 + [('global', ('default',))] * 2
+    assert phases_of_one_round(proc) == [('personal', ('personal',))] * 2 + [('global', ('default',))] * 2
     update = proc.end_round()
     assert proc.model.base_model.active_adapters == ['personal']
     assert update.shared and not any('.personal.' in n for n in update.shared)
