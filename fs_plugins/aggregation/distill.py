@@ -2,21 +2,29 @@
 the distillation loss, as pure functions over logits."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 
 
-def ensemble_logits(client_logits: Sequence[torch.Tensor]) -> torch.Tensor:
+def ensemble_logits(client_logits: Iterable[torch.Tensor]) -> torch.Tensor:
     """The teacher: the clients' logits averaged with equal weight (PerAda's Distillation,
-    after FedDF: out_t = Σ_k logits_k / K), in float32."""
-    if not client_logits:
+    after FedDF: out_t = Σ_k logits_k / K), in float32. Summed as they come, so an iterable
+    holds one client's logits at a time."""
+    total, count = None, 0
+    for logits in client_logits:
+        if total is None:
+            total = logits.float().clone()
+        elif logits.shape != total.shape:
+            raise ValueError(f"ensemble_logits: the clients' logits differ in shape: "
+                             f"{tuple(total.shape)} and {tuple(logits.shape)}")
+        else:
+            total += logits.float()
+        count += 1
+    if not count:
         raise ValueError('ensemble_logits: no client logits')
-    shapes = {tuple(t.shape) for t in client_logits}
-    if len(shapes) > 1:
-        raise ValueError(f'ensemble_logits: the clients\' logits differ in shape: {sorted(shapes)}')
-    return torch.stack([t.float() for t in client_logits]).mean(0)
+    return total / count
 
 
 def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor,

@@ -60,8 +60,12 @@ class Ditto(Method):
         state['anchor'] = {n.replace(f'.{GLOBAL}.', f'.{PERSONAL}.'): t.detach().clone()
                            for n, t in content.items() if f'.{GLOBAL}.' in n}
 
+    def proximal_coefficient(self) -> float:
+        """The factor of ‖v_k − w‖² in the personal adapter's loss: λ/2."""
+        return 0.5 * self.hparams.lam
+
     def loss(self, model, batch, state):
         loss = model(**batch).loss
         if PERSONAL not in model.base_model.active_adapters or not state.get('anchor'):
             return loss
-        return loss + 0.5 * self.hparams.lam * proximal_term(model, state['anchor'])
+        return loss + self.proximal_coefficient() * proximal_term(model, state['anchor'])

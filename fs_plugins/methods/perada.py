@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fs_plugins.aggregation.distill import ensemble_logits, kd_divergence
-from fs_plugins.methods.base import Phase, activate_adapters, load_tensors, proximal_term
+from fs_plugins.methods.base import Phase, activate_adapters, load_tensors
 from fs_plugins.methods.ditto import GLOBAL, PERSONAL, Ditto, is_personal
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
@@ -69,18 +69,16 @@ class PerAda(Ditto):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self._server_models: dict = {}   # (builder, model.type) -> (BuiltModel, public batches)
+        # (builder, model.type) -> (BuiltModel, public batches, its updates' tensor_signature)
+        self._server_models: dict = {}
 
     # ------------------------------------------------------------------ client
     def phases(self, num_steps, cfg):
         return [Phase('personal', num_steps, is_personal, adapters=(PERSONAL,)),
                 Phase('global', num_steps, lambda n: not is_personal(n), adapters=(GLOBAL,))]
 
-    def loss(self, model, batch, state):
-        loss = model(**batch).loss
-        if PERSONAL not in model.base_model.active_adapters or not state.get('anchor'):
-            return loss
-        return loss + self.hparams.lam * proximal_term(model, state['anchor'])
+    def proximal_coefficient(self) -> float:
+        return self.hparams.lam   # the code's model_dist_norm_var: no ½
 
     # ------------------------------------------------------------------ server
     def init_server_state(self, initial_shared):
@@ -102,14 +100,14 @@ class PerAda(Ditto):
         device = next(model.parameters()).device
         activate_adapters(model, (GLOBAL,))
         model.eval()
-        teacher = []
+
+        def client_logits():   # each client's adapter loaded once, all batches at a time
+            for update in updates:
+                load_tensors(model, update.shared)
+                yield torch.cat([prompt_end_logits(model, batch, device) for batch in batches])
         with torch.no_grad():
-            for batch in batches:
-                logits = []
-                for update in updates:
-                    load_tensors(model, update.shared)
-                    logits.append(prompt_end_logits(model, batch, device))
-                teacher.append(ensemble_logits(logits))
+            teacher = ensemble_logits(client_logits()).split(
+                [batch['input_ids'].shape[0] for batch in batches])
         load_tensors(model, averaged)
         names = set(averaged)
         params = [p for n, p in model.named_parameters() if n in names]
@@ -157,10 +155,10 @@ class PerAda(Ditto):
             batches = [codec.collate([codec.encode_prompt(r) for r in records[i:i + size]])
                        for i in range(0, len(records), size)]
             built.model.to(device_for(cfg))
-            self._server_models[key] = (built, batches)
-        built, batches = self._server_models[key]
-        expected = tensor_signature(self.shared_tensors(built.model, built.trainable_names))
-        if tensor_signature(updates[0].shared) != expected:
+            signature = tensor_signature(self.shared_tensors(built.model, built.trainable_names))
+            self._server_models[key] = (built, batches, signature)
+        built, batches, signature = self._server_models[key]
+        if tensor_signature(updates[0].shared) != signature:
             raise ValueError(f"PerAda: client {cid}'s update does not fit the server's "
                              f"distillation model (model.type '{cfg.model.type}'); with clients "
                              f"on several models set fsplug.aggregation.per_architecture: True "

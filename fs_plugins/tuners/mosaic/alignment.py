@@ -145,13 +145,13 @@ def _rows(value: torch.Tensor, mask: torch.Tensor, per_token: bool, key: str) ->
 
 
 @torch.no_grad()
-def alignment_moments(pivot_model, pivot_codec, model, codec, records: list[dict],
-                      per_token: bool, batch_size: int = 8) -> dict[str, AlignmentMoments]:
+def alignment_moments(pivot_model, pivot_codec, pivot_factors: dict, model, codec,
+                      records: list[dict], per_token: bool,
+                      batch_size: int = 8) -> dict[str, AlignmentMoments]:
     """Streams `records` through both frozen bases batch by batch; per PQ key, the moments of
-    the pivot's A outputs z = A_i x_i and the other model's layer inputs x_j
-    (aggregation.mosaic.AlignmentMoments), so no layer input is kept."""
-    pivot_a = {key: a.to(torch.float64) for key, (a, _) in lora_factors(
-        pivot_model, pivot_model.fedmosaic_pq).items()}
+    the pivot's A outputs z = A_i x_i (A_i from `pivot_factors`) and the other model's layer
+    inputs x_j (aggregation.mosaic.AlignmentMoments), so no layer input is kept."""
+    pivot_a = {key: a.to(torch.float64) for key, (a, _) in pivot_factors.items()}
     moments: dict[str, AlignmentMoments] = {}
     devices = (next(pivot_model.parameters()).device, next(model.parameters()).device)
     with base_layer_inputs(pivot_model, pivot_model.fedmosaic_pq) as pivot_inputs, \
@@ -295,7 +295,8 @@ def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
                              derive_alignment_seed(cfg.seed), 'fsplug.fedmosaic.alignment_data')
     pivot_model = pivot.model().model
     per_token = same_tokens(pivot.codec, codec, records)
-    moments = alignment_moments(pivot_model, pivot.codec, model, codec, records, per_token)
+    moments = alignment_moments(pivot_model, pivot.codec, pivot_factors, model, codec, records,
+                                per_token)
     aligned, report = compute_alignment(moments, pivot_factors, other_factors, hp.alignment_reg,
                                         hp.alignment_steps, hp.alignment_lr)
     apply_alignment(model, model.fedmosaic_pq, aligned)
