@@ -1,6 +1,8 @@
 """FedMosaic's personalised baselines with a second LoRA adapter: DITTO (global then
 personal, proximal pull to the received global) and FedSim (shared + personal trained
 together), end to end on the tiny model through the embedded runner."""
+import re
+
 import pytest
 import torch
 
@@ -265,3 +267,18 @@ def test_perada_distils_each_architecture_with_its_clients_model(tmp_path, monke
     sizes = dict((frozenset(ids), size) for ids, size in built_for)
     assert set(sizes) == {frozenset({1, 2}), frozenset({3, 4})}
     assert sizes[frozenset({1, 2})] != sizes[frozenset({3, 4})]
+
+
+@pytest.mark.parametrize('source, message', [
+    ('/nowhere/public.jsonl', 'fsplug.perada.public_data: file not found: /nowhere/public.jsonl'),
+    ('no_such_builtin', "fsplug.perada.public_data = 'no_such_builtin': give a .json/.jsonl"),
+])
+def test_perada_bad_public_data_names_the_key(tmp_path, source, message):
+    from fs_plugins.errors import ConfigError
+    from fs_plugins.methods.base import ClientUpdate
+    proc = one_client(tmp_path, 'perada', fsplug={'perada': {**SMALL_KD, 'public_data': source}})
+    method = get_method_class('perada')(proc.cfg)
+    update = ClientUpdate(1, 10, proc.method.shared_tensors(proc.model, proc.trainable_names))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        method.aggregate(method.init_server_state(update.shared), [update])
+
