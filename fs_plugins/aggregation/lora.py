@@ -17,7 +17,8 @@ Conventions (all functions):
 
 Functions: :func:`fed_a2` (FedA²-LoRA analytical aggregation, never forms a d_out × d_in
 matrix; mixed ranks by zero padding with ``pad=True``) and its materialising reference
-:func:`fed_a2_naive`, :func:`flexlora` (SVD
+:func:`fed_a2_naive`, :func:`fed_a2_vera` / :func:`fed_a2_vera_naive` (the same for VeRA's
+scaling vectors λ_d, λ_b over frozen shared projections), :func:`flexlora` (SVD
 redistribution for heterogeneous ranks), :func:`hetlora_pad` / :func:`hetlora_truncate`
 (HetLoRA zero-padding aggregation), and :func:`lora_delta_norm` (‖B A‖_F without B A).
 """
@@ -31,7 +32,8 @@ import torch
 from fs_plugins.aggregation.average import normalise_weights
 
 __all__ = [
-    'fed_a2', 'fed_a2_naive', 'flexlora', 'hetlora_pad', 'hetlora_truncate', 'lora_delta_norm',
+    'fed_a2', 'fed_a2_naive', 'fed_a2_vera', 'fed_a2_vera_naive', 'flexlora', 'hetlora_pad',
+    'hetlora_truncate', 'lora_delta_norm',
     'FED_A2_COND_THRESHOLD', 'FED_A2_RIDGE_EPS', 'FED_A2_FLOAT32_COND',
 ]
 
@@ -264,6 +266,137 @@ def fed_a2_naive(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights
         lhs, rhs = A64.T, U.T
     Bt = torch.linalg.lstsq(lhs, rhs).solution                # r × d_out
     return A.to(As[0].dtype), Bt.T.to(Bs[0].dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# FedA² for VeRA
+# --------------------------------------------------------------------------------------------
+
+def _check_vera(A, B, lambda_ds: Sequence[torch.Tensor], lambda_bs: Sequence[torch.Tensor],
+                weights: Sequence[float]) -> None:
+    """A (r, d_in), B (d_out, r) frozen projections; per client λ_d,k (r,) and λ_b,k (d_out,)."""
+    _check_pair(A, B, 'A', 'B')
+    if len(lambda_ds) == 0:
+        raise ValueError('No clients: lambda_ds is empty')
+    if not len(lambda_ds) == len(lambda_bs) == len(weights):
+        raise ValueError(f'{len(lambda_ds)} λ_d vectors, {len(lambda_bs)} λ_b vectors and '
+                         f'{len(weights)} weights; expected one of each per client')
+    r, d_out = int(A.shape[0]), int(B.shape[0])
+    for k, (d, b) in enumerate(zip(lambda_ds, lambda_bs)):
+        for name, t, n in (('lambda_d', d, r), ('lambda_b', b, d_out)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != (n,):
+                raise ValueError(f'client {k}: {name} must be a floating tensor of shape ({n},) '
+                                 f'(A {tuple(A.shape)}, B {tuple(B.shape)}), got '
+                                 f'{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}')
+
+
+def _average_vectors(vectors: Sequence[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+    """Σ p_k v_k in float32 (float64 for float64 inputs) with the arithmetic of
+    weighted_average, so fed_a2_vera's λ_d equals FedAvg's bit for bit."""
+    acc_dtype = torch.float64 if vectors[0].dtype == torch.float64 else torch.float32
+    acc = torch.zeros(vectors[0].shape, dtype=acc_dtype, device=vectors[0].device)
+    for pk, v in zip(p.tolist(), vectors):
+        acc += float(pk) * v.detach().to(acc_dtype)
+    return acc
+
+
+def _resolve_lam_diagonal(den: torch.Tensor, lam) -> float:
+    """:func:`_resolve_lam` for the diagonal Gram matrix diag(den) of the λ_b problem (its
+    eigenvalues are the entries): lam given: used as is; None: 0 when max/min <
+    FED_A2_COND_THRESHOLD, else FED_A2_RIDGE_EPS · mean(den); 1 when den = 0."""
+    if lam is not None:
+        return _check_lam(lam)
+    total = float(den.sum())
+    if total <= 0.0:
+        return 1.0
+    lo, hi = float(den.min()), float(den.max())
+    if lo > 0.0 and hi / lo < FED_A2_COND_THRESHOLD:
+        return 0.0
+    return FED_A2_RIDGE_EPS * total / den.numel()
+
+
+def fed_a2_vera(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tensor],
+                lambda_bs: Sequence[torch.Tensor], weights: Sequence[float],
+                lam: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FedA² for VeRA: the analytical aggregation of the trained scaling vectors, without
+    forming any d_out × d_in matrix.
+
+    VeRA (Kopiczko et al., 2024) freezes random projections A (r, d_in) and B (d_out, r),
+    shared by all clients (same seed), and trains λ_d (r) and λ_b (d_out) per layer::
+
+        ΔW_k = diag(λ_b,k) B diag(λ_d,k) A.
+
+    FedA² (UniFLoW Eqs. 9-13) averages the input-side factor and fits the output-side one to
+    the averaged update U = Σ_k p_k ΔW_k. Here λ_d plays A's part and λ_b plays B's part::
+
+        λ_d = Σ_k p_k λ_d,k                                   (Eq. 9: FedAvg of λ_d)
+        λ_b = argmin_x ‖diag(x) M − U‖²_F + λ ‖x‖²,  M = B diag(λ_d) A.
+
+    Derivation. Row i of diag(x) M is x_i c_i A with c_i = B[i, :] ∘ λ_d (1 × r); row i of
+    U is Σ_k p_k λ_b,k[i] c_{k,i} A with c_{k,i} = B[i, :] ∘ λ_d,k. The objective is a sum of
+    independent scalar ridge problems Σ_i (‖x_i c_i A − u_i‖² + λ x_i²); setting each
+    derivative 2 ⟨x_i c_i A − u_i, c_i A⟩ + 2 λ x_i to 0 gives, with G = A Aᵀ (r × r)::
+
+        λ_b[i] = Σ_k p_k λ_b,k[i] (c_i G c_{k,i}ᵀ) / (c_i G c_iᵀ + λ).
+
+    Vectorised: with H = (C G) ∘ B (d_out × r, C = B diag(λ_d) the rows c_i),
+    (H x)_i = c_i G (B[i, :] ∘ x)ᵀ, so the denominators are H λ_d and the numerators
+    Σ_k p_k λ_b,k ∘ (H λ_d,k). If every client kept λ_d,k = λ_d, λ_b[i] = (Σ p_k λ_b,k[i]) ·
+    den_i/(den_i + λ): FedAvg of λ_b, shrunk by the ridge (exact FedAvg for λ = 0).
+
+    lam: the problem's Gram matrix is diag(c_i G c_iᵀ) (d_out × d_out), so the rule of
+    :func:`fed_a2` applies to its diagonal: a float ≥ 0 is used as is; None gives λ = 0 when
+    max_i/min_i of c_i G c_iᵀ < FED_A2_COND_THRESHOLD, else λ = FED_A2_RIDGE_EPS · their mean.
+    A row with c_i G c_iᵀ + λ = 0 (c_i A = 0: any x_i fits equally) gets λ_b[i] = 0, the
+    minimum-norm minimiser. Note λ penalises ‖λ_b‖² here, a different scale from LoRA's ‖B‖²_F.
+
+    Cost O(r² d_in + r² d_out + K r d_out), memory O(r (d_in + d_out)); G, H and the solve in
+    float64. λ_d is averaged like weighted_average (float32 for float32 inputs), so it equals
+    FedAvg's. Returns (λ_d, λ_b) in the dtypes of lambda_ds[0] and lambda_bs[0].
+    """
+    _check_vera(A, B, lambda_ds, lambda_bs, weights)
+    p = normalise_weights(weights)
+    lambda_d = _average_vectors(lambda_ds, p)
+    A64, B64 = A.detach().to(torch.float64), B.detach().to(torch.float64)
+    d64 = lambda_d.to(device=B64.device, dtype=torch.float64)
+    G = A64 @ A64.T                                                 # r × r
+    H = ((B64 * d64) @ G) * B64                                     # d_out × r
+    den = H @ d64                                                   # c_i G c_iᵀ
+    D = torch.stack([d.detach().to(B64.device, torch.float64) for d in lambda_ds], dim=1)
+    Lb = torch.stack([b.detach().to(B64.device, torch.float64) for b in lambda_bs], dim=1)
+    num = ((H @ D) * Lb) @ p.to(B64.device)                         # Σ_k p_k λ_b,k[i] c_i G c_{k,i}ᵀ
+    den = den + _resolve_lam_diagonal(den, lam)
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    lambda_b = torch.where(den > 0, num / safe, torch.zeros_like(num))
+    return lambda_d.to(lambda_ds[0].dtype), lambda_b.to(lambda_bs[0].dtype)
+
+
+def fed_a2_vera_naive(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tensor],
+                      lambda_bs: Sequence[torch.Tensor], weights: Sequence[float],
+                      lam: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`fed_a2_vera`: materialises U = Σ_k p_k diag(λ_b,k) B diag(λ_d,k) A
+    and M = B diag(λ_d) A (d_out × d_in, float64) and solves, for every row i, the
+    least-squares problem [M[i, :]ᵀ; √λ] x_i = [U[i, :]ᵀ; 0] with torch.linalg.lstsq
+    (batched over rows, no normal equations). λ is resolved as in fed_a2_vera from the row
+    norms ‖M[i, :]‖², computed here from M. O(K d_in d_out) time, O(d_in d_out) memory."""
+    _check_vera(A, B, lambda_ds, lambda_bs, weights)
+    p = normalise_weights(weights)
+    lambda_d = _average_vectors(lambda_ds, p)
+    A64, B64 = A.detach().to(torch.float64), B.detach().to(torch.float64)
+
+    def update(d, b):
+        return (b.detach().to(torch.float64)[:, None] * B64) @ (d.detach().to(torch.float64)[:, None] * A64)
+
+    U = sum(float(pk) * update(d, b) for pk, d, b in zip(p, lambda_ds, lambda_bs))
+    M = B64 @ (lambda_d.to(torch.float64)[:, None] * A64)
+    lam_used = _resolve_lam_diagonal((M * M).sum(dim=1), lam)
+    lhs, rhs = M.unsqueeze(2), U.unsqueeze(2)                       # d_out × d_in × 1
+    if lam_used:
+        lhs = torch.cat([lhs, torch.full((M.shape[0], 1, 1), math.sqrt(lam_used),
+                                         dtype=torch.float64)], dim=1)
+        rhs = torch.cat([rhs, torch.zeros((M.shape[0], 1, 1), dtype=torch.float64)], dim=1)
+    lambda_b = torch.linalg.lstsq(lhs, rhs).solution[:, 0, 0]
+    return lambda_d.to(lambda_ds[0].dtype), lambda_b.to(lambda_bs[0].dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,3 +59,22 @@ def fit_rank(key: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
     if current > rank:
         return tensor[:, :rank].clone()
     return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], rank - current)], dim=1)
+
+
+# VeRA (peft): per layer '<prefix>.vera_lambda_d.<adapter>' (r) and '<prefix>.vera_lambda_b.<adapter>'
+# (d_out) over frozen projections shared by all layers
+VERA_D_TAG, VERA_B_TAG = '.vera_lambda_d.', '.vera_lambda_b.'
+
+
+def vera_pairs(keys) -> dict[str, tuple[str, str]]:
+    """{layer prefix: (λ_d key, λ_b key)} for every VeRA layer whose two vectors are in `keys`."""
+    keys = set(keys)
+    return dict(sorted((key.split(VERA_D_TAG)[0], (key, key.replace(VERA_D_TAG, VERA_B_TAG)))
+                       for key in keys
+                       if VERA_D_TAG in key and key.replace(VERA_D_TAG, VERA_B_TAG) in keys))
+
+
+def is_input_factor(key: str) -> bool:
+    """The trained factor next to the adapter's input: LoRA's A (r × d_in) or VeRA's λ_d (r),
+    as opposed to the output side, LoRA's B or VeRA's λ_b (initialised at zero by peft)."""
+    return A_TAG in key or VERA_D_TAG in key

@@ -2,7 +2,10 @@
 global LoRA adapter ('default', shared and averaged) and a local one ('local', never sent),
 both active in the forward pass. Local round: first the global adapter trains
 (`global_fraction` of the steps), then the local adapter with the global one frozen. Trained
-tensors outside the adapters (e.g. LLaVA's projector) go with the global adapter."""
+tensors outside the adapters (e.g. LLaVA's projector) go with the global adapter. With VeRA
+(FedDPA-VeRA of UniFLoW Table 4) both adapters are VeRA adapters over the same frozen
+projections (peft shares them), each with its own λ_d, λ_b."""
+import copy
 from dataclasses import dataclass
 
 from fs_plugins.methods.base import Method, Phase, activate_adapters
@@ -11,6 +14,12 @@ from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
 LOCAL = '.local.'
+
+
+def is_local(name: str) -> bool:
+    """A parameter of the 'local' adapter: '….lora_A.local.weight' (LoRA) or
+    '….vera_lambda_b.local' (VeRA, the adapter name ends the parameter name)."""
+    return LOCAL in name or name.endswith(LOCAL[:-1])
 
 
 @dataclass
@@ -28,14 +37,20 @@ class FedDPALoRA(Method):
     config_class = FedDPAConfig
 
     def adapt_model(self, model, cfg):
-        add_twin_adapter(model, 'local')
+        if cfg.fsplug.model.adapter == 'vera':   # add_twin_adapter scales LoRA's lora_alpha
+            model.add_adapter('local', copy.deepcopy(model.peft_config['default']))
+            for name, param in model.named_parameters():
+                if is_local(name):
+                    param.requires_grad_(True)
+        else:
+            add_twin_adapter(model, 'local')
         activate_adapters(model, ('default', 'local'))
         return model
 
     def is_shared(self, name):
-        return LOCAL not in name   # the global adapter and e.g. a trained projector
+        return not is_local(name)   # the global adapter and e.g. a trained projector
 
     def phases(self, num_steps, cfg):
         first = int(round(self.hparams.global_fraction * num_steps))
-        return [Phase('global', first, lambda n: LOCAL not in n),
-                Phase('local', num_steps - first, lambda n: LOCAL in n)]
+        return [Phase('global', first, lambda n: not is_local(n)),
+                Phase('local', num_steps - first, is_local)]
