@@ -158,7 +158,7 @@ def test_split_from_records_needs_the_field(tmp_path):
 
 def test_gen_metrics_are_checked(tmp_path):
     with pytest.raises(ConfigError, match='fsplug.eval.gen_metrics'):
-        vl_config(tmp_path, 'tiny_llava', fsplug={'eval': {'gen_metrics': ['bleu']}})
+        vl_config(tmp_path, 'tiny_llava', fsplug={'eval': {'gen_metrics': ['cider']}})
 
 
 def test_multimodal_embedded_run_reports_vqa_accuracy_and_predictions(tmp_path):

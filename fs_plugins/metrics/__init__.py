@@ -2,7 +2,8 @@
 from fs_plugins.metrics.token import next_token_accuracy  # noqa: F401
 
 # name -> larger is better, for every metric `ClientProcedure.evaluate` reports
-REPORTED_METRICS = {'token_acc': True}
+# ('acc': a sequence classifier's class accuracy, fs_plugins.models.classifier)
+REPORTED_METRICS = {'token_acc': True, 'acc': True}
 
 
 def evaluation_metric_names() -> list[str]:

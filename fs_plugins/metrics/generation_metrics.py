@@ -1,11 +1,14 @@
 """Metrics over generated text: name -> function(predictions: list[str], references: list) -> float.
 
-All return a value in 0..1 (nan for no samples). The report-generation LLM judge is not here: it
-needs a judge model and runs offline over saved predictions (scripts/judge_reports.py)."""
+All return a value in 0..1 (nan for no samples); a reference is a text or a list of acceptable
+texts. The report-generation LLM judge is not here: it needs a judge model and runs offline over
+saved predictions (scripts/judge_reports.py). Metrics with settings in fsplug.eval (the BERTScore
+backbone) read them from `configure_generation_metrics`, which the evaluation calls first."""
 from __future__ import annotations
 
+from fs_plugins.metrics import bertscore
 from fs_plugins.metrics.detection import detection_iou
-from fs_plugins.metrics.text import rouge_l
+from fs_plugins.metrics.text import bleu, meteor, rouge_l
 from fs_plugins.metrics.vqa import vqa_accuracy, vqa_exact_accuracy
 
 GENERATION_METRICS = {
@@ -13,6 +16,11 @@ GENERATION_METRICS = {
     'vqa_exact': vqa_exact_accuracy,
     'iou': detection_iou,
     'rougeL': rouge_l,
+    'bleu': bleu,
+    'meteor': meteor,
+    'bertscore_p': bertscore.bertscore_p,
+    'bertscore_r': bertscore.bertscore_r,
+    'bertscore_f1': bertscore.bertscore_f1,
 }
 
 
@@ -20,3 +28,10 @@ def generation_metric(name: str):
     if name not in GENERATION_METRICS:
         raise KeyError(f'unknown generation metric {name!r}; known: {sorted(GENERATION_METRICS)}')
     return GENERATION_METRICS[name]
+
+
+def configure_generation_metrics(eval_cfg) -> None:
+    """Passes fsplug.eval's metric settings (bertscore_model, bertscore_layers) to the metrics;
+    a config without them (a run saved before they existed) gets the defaults."""
+    bertscore.configure(getattr(eval_cfg, 'bertscore_model', '') or '',
+                        int(getattr(eval_cfg, 'bertscore_layers', 0) or 0))
