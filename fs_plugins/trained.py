@@ -39,8 +39,9 @@ def read_prompts(path: str, multimodal: bool) -> list[dict]:
             raise ValueError(f'{where} is not an object')
         if multimodal:
             if not is_multimodal(record):
-                raise ValueError(f"{where}: the run's model answers image records "
-                                 f"('image' and 'question'); this record has {sorted(record)}")
+                raise ValueError(f"{where}: the run's model answers media records "
+                                 f"('question' and 'image' or 'audio'); this record has "
+                                 f"{sorted(record)}")
             record = with_absolute_images(record, folder, where)
         elif 'instruction' not in record:
             raise ValueError(f"{where}: the run's model answers text records ('instruction', "

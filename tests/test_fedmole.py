@@ -348,7 +348,7 @@ def test_paper_yaml_uploads_table5_bytes():
     with torch.device('meta'):
         model = LlavaForConditionalGeneration(config)
     targets = scoped_targets(model_cfg.lora.target_modules, 'language_model',
-                             model_cfg.vision.tower_lora_targets, 'vision_tower')
+                             {'vision_tower': list(model_cfg.vision.tower_lora_targets)})
     model = get_peft_model(model, LoraConfig(r=model_cfg.lora.r, target_modules=targets))
     lora = sum(p.numel() for n, p in model.named_parameters() if 'lora_' in n)
     assert not model_cfg.vision.train_projector

@@ -10,13 +10,14 @@ import sys
 import time
 
 import pytest
+import yaml
 import torch
 
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
 from fs_plugins.config import load_config
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.sim.runner import run_embedded
-from helpers import deep_update, tiny_config, write_yaml
+from helpers import deep_update, tiny_config, tiny_yaml_of, write_yaml
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('federatedscope') is None,
@@ -103,8 +104,15 @@ HETEROGENEOUS = {f'client_{i}': {'model': {'type': t}} for i, t in
 FLAME_MODEL = {'model': {'type': 'tiny-olmoe@fsplug_llm'}, 'fsplug': {'model': {
     'builder': 'tiny_olmoe', 'lora': {'target_modules': ['q_proj', 'v_proj'], 'target_parameters': [
         'mlp.experts.gate_up_proj', 'mlp.experts.down_proj']}}}}
+with open(tiny_yaml_of('uniflow')) as _handle:   # random tiny encoders + LLM on tiny_media
+    _UNIFLOW = yaml.safe_load(_handle)
+UNIFLOW_MODEL = {'federate': {'client_num': 3, 'sample_client_num': 3},
+                 'data': {'type': _UNIFLOW['data']['type'], 'splitter': 'by_source'},
+                 'llm': _UNIFLOW['llm'],
+                 'fsplug': {k: _UNIFLOW['fsplug'][k] for k in ('uniflow', 'model', 'data')}}
 # every registered method runs; these need a model or per-client configs of their own
 MODEL_SETUP = {'flame': FLAME_MODEL, 'hetlora_experts': FLAME_MODEL,   # tiny OLMoE; FLAME's
+               'uniflow': UNIFLOW_MODEL,
                'flexlora_experts': FLAME_MODEL,                      # clients at k = 8, 4, 2, 1
                'perada': {'fsplug': {'perada': {'kd_steps': 3, 'kd_batch_size': 4,
                                                 'public_samples': 8},

@@ -1,13 +1,16 @@
 """Small instruction datasets generated locally (no download), for tests and the demo."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
 import numpy as np
 
 from fs_plugins.data.easyvqa import easyvqa_records
+from fs_plugins.data.easyvqa_audio import easyvqa_image_audio_records
 from fs_plugins.data.multimodal import write_jsonl
+from fs_plugins.data.tiny_media import tiny_media_records
 
 _WORDS = ('apple river stone cloud green quick music paper light ocean tiger window '
           'silver garden planet yellow forest candle bridge winter').split()
@@ -65,8 +68,16 @@ def champ_math_records() -> list[dict]:
              'category': p['category'], 'id': p['identifier']} for p in problems.values()]
 
 
+# name -> records function; a function with a `root` parameter writes media files under the
+# data root (the JSONL's folder) and receives it
 BUILTIN_DATASETS = {'tiny_tasks': tiny_tasks_records, 'champ_math': champ_math_records,
-                    'easyvqa': easyvqa_records}
+                    'easyvqa': easyvqa_records, 'tiny_media': tiny_media_records,
+                    'easyvqa_image_audio': easyvqa_image_audio_records}
+
+
+def builtin_records(name: str, root: str) -> list[dict]:
+    make = BUILTIN_DATASETS[name]
+    return make(root=root) if 'root' in inspect.signature(make).parameters else make()
 
 
 def ensure_builtin(name: str, root: str) -> str | None:
@@ -75,5 +86,5 @@ def ensure_builtin(name: str, root: str) -> str | None:
         return None
     path = os.path.join(root, f'{name}.jsonl')
     if not os.path.isfile(path):
-        write_jsonl(path, BUILTIN_DATASETS[name]())
+        write_jsonl(path, builtin_records(name, root))
     return path

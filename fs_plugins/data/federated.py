@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fs_plugins import config as config_mod
-from fs_plugins.data import splitters, stream
+from fs_plugins.data import glue, splitters, stream
 from fs_plugins.data.builtin import ensure_builtin
 from fs_plugins.data.instruction import load_records
 from fs_plugins.seeding import derive_seed
@@ -85,11 +85,23 @@ def _split_from_records(records: list[dict], indices: list[int], client_id: int)
     return parts
 
 
-def build_federated_records(cfg) -> FederatedRecords:
+def load_data_records(cfg) -> tuple[list[dict], bool]:
+    """The records of data.type and whether their own 'split' field gives train / test: a
+    GLUE task (fs_plugins.data.glue) always (its files are the splits; max_records caps its
+    training file), a record file or builtin dataset as fsplug.data.split_from_records says."""
     data_cfg = cfg.fsplug.data
+    source = glue.parse_data_type(config_mod.data_name(cfg), str(cfg.data.root))
+    if source is not None:
+        return glue.load_glue(source, data_cfg.max_records), True
     records = load_records(resolve_data_path(cfg))
     if data_cfg.max_records:
         records = records[:data_cfg.max_records]
+    return records, data_cfg.split_from_records
+
+
+def build_federated_records(cfg) -> FederatedRecords:
+    data_cfg = cfg.fsplug.data
+    records, from_records = load_data_records(cfg)
     parts = splitters.split(cfg.data.splitter, records, cfg.federate.client_num,
                             derive_seed(cfg.seed, 'split'), field=data_cfg.split_field,
                             alpha=data_cfg.dirichlet_alpha, min_size=data_cfg.min_client_size)
@@ -100,7 +112,7 @@ def build_federated_records(cfg) -> FederatedRecords:
         if not indices:
             raise ValueError(f"Client {cid} received no records from the "
                              f"'{cfg.data.splitter}' split; use fewer clients")
-        if data_cfg.split_from_records:
+        if from_records:
             split = _split_from_records(records, indices, cid)
         else:
             split = _train_val_test(indices, data_cfg.test_fraction, data_cfg.val_fraction,

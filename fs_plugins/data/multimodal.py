@@ -1,26 +1,37 @@
 """Normalised multimodal records: one JSON object per line,
 
-    {"id": str, "image": path | [path, ...], "question": str, "answer": str,
+    {"id": str, "image": path | [path, ...], "audio": path, "question": str, "answer": str,
      "task": "vqa" | "report" | "detection" | ..., "source": str, "split": "train" | "test"}
 
-Image paths are relative to the JSONL file's folder or absolute; extra fields are kept (e.g.
-"answers", a list of acceptable VQA answers). `benchmarks_ext/*/prepare.py` write this format.
+A record carries at least one media field (MEDIA_FIELDS: "image" for every multimodal builder,
+"audio" for encoder + LLM models such as `imagebind_vicuna`); "question" may be '' when the
+question is in the audio. Media paths are relative to the JSONL file's folder or absolute; extra
+fields are kept (e.g. "answers", a list of acceptable VQA answers). `benchmarks_ext/*/prepare.py`
+write this format.
 """
 from __future__ import annotations
 
 import json
 import os
 
-REQUIRED_FIELDS = ('image', 'question', 'answer')
+REQUIRED_FIELDS = ('question', 'answer')
+# record fields holding media file paths, and the word used for them in errors
+MEDIA_FIELDS = {'image': 'Image', 'audio': 'Audio'}
 
 
 def is_multimodal(record: dict) -> bool:
-    return isinstance(record, dict) and 'image' in record and 'question' in record
+    return (isinstance(record, dict) and 'question' in record
+            and any(f in record for f in MEDIA_FIELDS))
+
+
+def media_paths(record: dict, media: str) -> list[str]:
+    """The record's file paths in media field `media` ([] when it has none)."""
+    paths = record.get(media) or []
+    return [paths] if isinstance(paths, str) else list(paths)
 
 
 def image_paths(record: dict) -> list[str]:
-    images = record['image']
-    return [images] if isinstance(images, str) else list(images)
+    return media_paths(record, 'image')
 
 
 def _record_name(record: dict, index: int, path: str) -> str:
@@ -34,6 +45,8 @@ def resolve_images(records: list[dict], path: str) -> list[dict]:
     resolved = []
     for index, record in enumerate(records):
         missing = [k for k in REQUIRED_FIELDS if k not in record]
+        if not any(record.get(f) for f in MEDIA_FIELDS):
+            missing.append(' or '.join(MEDIA_FIELDS))
         if missing:
             raise ValueError(f"{_record_name(record, index, path)} lacks field(s) {missing}")
         record = with_absolute_images(record, folder, _record_name(record, index, path))
@@ -42,13 +55,19 @@ def resolve_images(records: list[dict], path: str) -> list[dict]:
 
 
 def with_absolute_images(record: dict, folder: str, where: str) -> dict:
-    """The record with its image paths made absolute (relative ones are under `folder`); a
-    missing image file raises naming it and `where` (the record)."""
-    images = [p if os.path.isabs(p) else os.path.join(folder, p) for p in image_paths(record)]
-    for image in images:
-        if not os.path.isfile(image):
-            raise FileNotFoundError(f"Image file not found: {image} ({where})")
-    return {**record, 'image': images[0] if isinstance(record['image'], str) else images}
+    """The record with its media paths (image, audio) made absolute (relative ones are under
+    `folder`); a missing file raises naming it and `where` (the record)."""
+    record = dict(record)
+    for media, word in MEDIA_FIELDS.items():
+        if not record.get(media):
+            continue
+        paths = [p if os.path.isabs(p) else os.path.join(folder, p)
+                 for p in media_paths(record, media)]
+        for path in paths:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{word} file not found: {path} ({where})")
+        record[media] = paths[0] if isinstance(record[media], str) else paths
+    return record
 
 
 def open_images(record: dict) -> list:

@@ -14,7 +14,7 @@ def public_records(source: str, cfg, count: int, seed: int, key: str) -> list[di
     or a builtin dataset name; '' = the run's own data (data.type). Records marked with
     another 'split' than 'train' are left out. `key` is the config key `source` came from,
     for the errors."""
-    from fs_plugins.data.builtin import BUILTIN_DATASETS
+    from fs_plugins.data.builtin import BUILTIN_DATASETS, ensure_builtin
     from fs_plugins.data.federated import resolve_data_path
     from fs_plugins.data.instruction import load_records
     name = source or str(cfg.data.type).rsplit('@', 1)[0]
@@ -28,7 +28,8 @@ def public_records(source: str, cfg, count: int, seed: int, key: str) -> list[di
             raise ConfigError(f"{key}: file not found: {source}")
         records = load_records(source)
     elif source in BUILTIN_DATASETS:
-        records = BUILTIN_DATASETS[source]()
+        # through its JSONL under data.root: media paths resolved as for the run's own data
+        records = load_records(ensure_builtin(source, str(cfg.data.root)))
     else:
         raise ConfigError(f"{key} = {source!r}: give a .json/.jsonl record file or a builtin "
                           f"dataset ({', '.join(sorted(BUILTIN_DATASETS))})")

@@ -86,6 +86,7 @@ class Method:
         self.cfg = cfg
         self.hparams = self.options(cfg)
         self.client_id: Optional[int] = None   # set by the ClientProcedure that uses it
+        self.round_idx = 0   # client side: the federation's round (0-based) being trained
         # server side: {client id: that client's config} where the runner knows them (for
         # methods that build a client's model on the server, e.g. PerAda's distillation)
         self.client_configs: dict = {}

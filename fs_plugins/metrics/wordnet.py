@@ -74,9 +74,17 @@ def build_wordnet_dir(target: str, source: str | None = None, man_page: str | No
     """Copies `source`'s (default the Debian folder's) WordNet files into `target` and writes
     `lexnames`; built in a staging folder and renamed, so concurrent processes are safe.
     Returns `target`."""
+    from fs_plugins.models.cache import ensure_cached_dir
     source = source or SYSTEM_WORDNET
-    if os.path.isfile(os.path.join(target, 'lexnames')):
-        return target
+
+    def build(staging: str) -> None:
+        for name in nltk_wordnet_files():
+            if name != 'lexnames':
+                shutil.copyfile(os.path.join(source, name), os.path.join(staging, name))
+        with open(os.path.join(staging, 'lexnames'), 'w', encoding='utf-8') as handle:
+            handle.write(lexnames_text(man_page))
+        os.chmod(staging, 0o755)
+    return ensure_cached_dir(target, build, marker='lexnames')
     parent = os.path.dirname(os.path.abspath(target))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(dir=parent, prefix='.wordnet-')

@@ -41,7 +41,8 @@ def available() -> list[str]:
 def _load_builder_modules() -> None:
     # imported here, not at module top: these modules register builders through this one
     from fs_plugins.models import easyvqa_llava, olmo, vision_language  # noqa: F401
-    from fs_plugins.models import easyvqa_llava_small  # noqa: F401
+    from fs_plugins.models import easyvqa_llava_small, encoder_llm  # noqa: F401
+    from fs_plugins.models import classifier  # noqa: F401
 
 
 def _looks_local(path: str) -> bool:
@@ -60,6 +61,12 @@ class LoadedBase:
     lora_scope: str | None = None
     # config switch under fsplug.model.vision -> name fragment of modules it makes trainable
     trainable_switches: dict[str, str] = field(default_factory=dict)
+    # LoRA besides lora.target_modules: module-name fragment (e.g. an encoder) -> its targets
+    encoder_lora_targets: dict[str, list[str]] = field(default_factory=dict)
+    # peft's task_type for the adapter config (None: a plain PeftModel around a custom module)
+    peft_task_type: str | None = 'CAUSAL_LM'
+    # name fragments of modules that always train, outside any adapter (a classifier's head)
+    trained_modules: tuple[str, ...] = ()
 
 
 def check_local_dir(path: str) -> str:
@@ -161,17 +168,18 @@ def adapter_config(model_cfg, seed: int):
     return ADAPTERS[model_cfg.adapter](model_cfg, seed)
 
 
-def scoped_targets(targets, scope: str | None, tower_targets=(), tower: str | None = None):
-    """peft target_modules: `targets` limited to modules under `scope`, plus `tower_targets`
-    under `tower` (a regex peft full-matches); `targets` as they are without a scope."""
+def scoped_targets(targets, scope: str | None, others: dict[str, list[str]] | None = None):
+    """peft target_modules: `targets` limited to modules under `scope`, plus, for every
+    fragment -> names of `others`, those names under that fragment (a regex peft full-matches);
+    `targets` as they are without a scope or others."""
     def under(fragment, names):
         return rf".*{re.escape(fragment)}.*\.({'|'.join(re.escape(t) for t in names)})"
-    if scope is None and not tower_targets:
+    others = {k: v for k, v in (others or {}).items() if v}
+    if scope is None and not others:
         return list(targets)
     parts = [under(scope, targets) if scope is not None
              else rf".*\.({'|'.join(re.escape(t) for t in targets)})"]
-    if tower_targets:
-        parts.append(under(tower, tower_targets))
+    parts += [under(fragment, names) for fragment, names in others.items()]
     return parts[0] if len(parts) == 1 else '|'.join(f'(?:{p})' for p in parts)
 
 
@@ -185,9 +193,13 @@ def inject_adapter(model: torch.nn.Module, model_cfg, seed: int, base: LoadedBas
     if tower_targets and tower is None:
         raise ConfigError(f"fsplug.model.vision.tower_lora_targets = {tower_targets}: builder "
                           f"'{model_cfg.builder}' has no vision tower")
+    others = dict(base.encoder_lora_targets) if base is not None else {}
+    if tower_targets:
+        others[tower] = tower_targets
     config.target_modules = scoped_targets(model_cfg.lora.target_modules,
-                                           base.lora_scope if base is not None else None,
-                                           tower_targets, tower)
+                                           base.lora_scope if base is not None else None, others)
+    if base is not None:
+        config.task_type = base.peft_task_type
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -235,6 +247,13 @@ def unfreeze_switched_modules(model: torch.nn.Module, base: LoadedBase, vision_c
                     param.requires_grad_(True)
 
 
+def unfreeze_trained_modules(model: torch.nn.Module, base: LoadedBase) -> None:
+    """Makes the builder's `trained_modules` trainable (e.g. a classifier's head)."""
+    for name, param in model.named_parameters():
+        if any(fragment in name for fragment in base.trained_modules) and 'lora_' not in name:
+            param.requires_grad_(True)
+
+
 def load_base(cfg) -> LoadedBase:
     """The frozen base model (no adapter) and its codec, from fsplug.model.builder and
     model.type."""
@@ -255,6 +274,7 @@ def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
     base_params = {id(p) for p in base.model.parameters()}
     model = inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'), base)
     unfreeze_switched_modules(model, base, cfg.fsplug.model.vision)
+    unfreeze_trained_modules(model, base)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))
         model = method.adapt_model(model, cfg)

@@ -12,11 +12,12 @@ def cache_dir() -> str:
     return os.environ.get('FSPLUG_CACHE', os.path.join(os.path.expanduser('~'), '.cache', 'fs_plugins'))
 
 
-def ensure_cached_dir(path: str | None, build: Callable[[str], None], name: str = '') -> str:
-    """The model folder `path` (default <cache>/<name>), built by `build(folder)` if it has no
-    config.json yet. Built in a staging folder and renamed, so concurrent processes are safe."""
+def ensure_cached_dir(path: str | None, build: Callable[[str], None], name: str = '',
+                      marker: str = 'config.json') -> str:
+    """The folder `path` (default <cache>/<name>), built by `build(folder)` if it has no file
+    `marker` yet. Built in a staging folder and renamed, so concurrent processes are safe."""
     path = path or os.path.join(cache_dir(), name)
-    if os.path.isfile(os.path.join(path, 'config.json')):
+    if os.path.isfile(os.path.join(path, marker)):
         return path
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -26,7 +27,7 @@ def ensure_cached_dir(path: str | None, build: Callable[[str], None], name: str 
         try:
             os.rename(staging, path)
         except OSError:  # another process won the race
-            if not os.path.isfile(os.path.join(path, 'config.json')):
+            if not os.path.isfile(os.path.join(path, marker)):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

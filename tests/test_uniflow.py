@@ -1,0 +1,285 @@
+"""UniFLoW: the encoder + LLM model (prompt assembly of Eq. 4), II-stage local training
+(Eq. 7 and the schedules of Appendix E.8), encoder LoRA federated with the chosen aggregation,
+and bad input naming its record, key or file; on yamls/uniflow/tiny.yaml (random tiny
+encoders and LLM, the locally made `tiny_media` data)."""
+import pytest
+import torch
+
+from fs_plugins.aggregation.lora import fed_a2
+from fs_plugins.aggregation.pairs import lora_pairs
+from fs_plugins.client import ClientProcedure
+from fs_plugins.config import load_config
+from fs_plugins.data.federated import build_federated_records
+from fs_plugins.errors import ConfigError
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.methods.uniflow import AGGREGATIONS
+from fs_plugins.models.builders import build_model
+from fs_plugins.models.encoder_llm import modalities
+from helpers import REPO, run_embedded_keeping_clients
+
+TINY = f'{REPO}/yamls/uniflow/tiny.yaml'
+BOTH_CLIENT = 2   # by_source clients in sorted group order: audio, both, image
+
+
+def uniflow_cfg(tmp_path, *overrides):
+    return load_config(TINY, ['data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp'),
+                              'fsplug.results_dir', str(tmp_path / 'results'), *overrides])
+
+
+def one_client(tmp_path, client_id=BOTH_CLIENT, *overrides) -> ClientProcedure:
+    cfg = uniflow_cfg(tmp_path, *overrides)
+    method = get_method_class('uniflow')(cfg)
+    records = build_federated_records(cfg)
+    return ClientProcedure(client_id, cfg, method, build_model(cfg, method),
+                           records.clients[client_id])
+
+
+def part_of(name: str) -> str:
+    return next(p for p in ('encoders', 'projectors', 'language_model') if f'.{p}.' in name)
+
+
+def test_the_media_fields_are_the_configured_modalities():
+    from fs_plugins.data.multimodal import MEDIA_FIELDS
+    assert set(modalities()) == set(MEDIA_FIELDS) == {'image', 'audio'}
+
+
+def test_prompt_is_bos_before_features_gap_question_after(tmp_path):
+    proc = one_client(tmp_path)
+    codec, tokenizer = proc.codec, proc.codec.tokenizer
+    record = next(r for r in proc.train_data.records if r.get('image') and r.get('audio'))
+    example = codec.encode(record)
+    ids, slots = example['input_ids'].tolist(), example['feature_slots'].tolist()
+    assert ids[0] == tokenizer.bos_token_id and slots[0] == 0
+    first, last = slots.index(1), len(slots) - 1 - slots[::-1].index(2)
+    # the image's 4 pooled features, then the audio's 4 (modality order of the config)
+    assert slots[first:last + 1] == [1] * 4 + [2] * 4
+    before = tokenizer.decode(ids[1:first])
+    assert before == 'Start of the conversation. ### Human: <image, audio>'
+    prompt_end = example['labels'].tolist().index(next(x for x in example['labels'].tolist()
+                                                       if x != -100))
+    after = tokenizer.decode(ids[last + 1:prompt_end])
+    assert after == ("</image, audio> Now, here's the question based on the above features: "
+                     f"{record['question']} Based on the above input and question, please "
+                     "provide your response.")
+    assert tokenizer.decode(ids[prompt_end:]).strip() == record['answer'] + tokenizer.eos_token
+    assert example['pixel_values'].shape[0] == 1 and example['input_features'].shape[0] == 1
+
+
+def test_features_land_in_their_slots(tmp_path):
+    proc = one_client(tmp_path)
+    model = proc.model.base_model.model
+    batch = proc.collate([proc.train_data[i] for i in range(2)])
+    embeds = model.embed(batch['input_ids'], batch['feature_slots'],
+                         {k: batch[k] for k in ('pixel_values', 'input_features')})
+    text = model.language_model.get_input_embeddings()(batch['input_ids'])
+    slots = batch['feature_slots'] > 0
+    assert torch.equal(embeds[~slots], text[~slots])
+    image = model.projectors['image'](model.encoders['image'](batch['pixel_values']).mean(1))
+    assert not torch.allclose(embeds[batch['feature_slots'] == 1], text[batch['feature_slots'] == 1])
+    pooled = embeds[batch['feature_slots'] == 1].reshape(2, 4, -1).mean(1)
+    assert torch.allclose(pooled, image, atol=1e-5)   # adaptive pooling of 4 keeps the mean
+
+
+def trained_parts_per_step(proc) -> list[set]:
+    """Trains one local round; per step, which model parts received a gradient."""
+    proc.begin_round()
+    parts = []
+    for _ in range(len(proc.step_phases)):
+        batch = proc.next_batch()
+        proc.optimise(proc.compute_loss(batch))
+        parts.append({part_of(n) for n in proc.trainable_names if proc.params[n].grad is not None})
+        proc.record(0.0, 1)
+    proc.end_round()
+    return parts
+
+
+ENCODER_SIDE, LLM_SIDE = {'encoders', 'projectors'}, {'language_model'}
+
+
+@pytest.mark.parametrize('schedule, round_idx, expected', [
+    ('two_stage', 0, [ENCODER_SIDE] * 2 + [LLM_SIDE] * 6),      # τ·S = 0.25·8 steps first
+    ('reverse', 0, [LLM_SIDE] * 6 + [ENCODER_SIDE] * 2),
+    ('simultaneous', 0, [ENCODER_SIDE | LLM_SIDE] * 8),
+    ('round', 1, [ENCODER_SIDE] * 8),                            # t < 0.5·4 rounds
+    ('round', 2, [LLM_SIDE] * 8),
+])
+def test_stage_switch_decides_which_parameters_get_gradients(tmp_path, schedule, round_idx,
+                                                             expected):
+    proc = one_client(tmp_path, BOTH_CLIENT, 'fsplug.uniflow.schedule', schedule)
+    proc.round_idx = round_idx
+    assert trained_parts_per_step(proc) == expected
+
+
+def test_projector_can_train_with_the_llm(tmp_path):
+    proc = one_client(tmp_path, BOTH_CLIENT, 'fsplug.uniflow.projector_stage', 'llm')
+    parts = trained_parts_per_step(proc)
+    assert parts == [{'encoders'}] * 2 + [{'language_model', 'projectors'}] * 6
+
+
+def test_encoder_lora_is_uploaded_and_aggregated_with_fed_a2(tmp_path):
+    cfg = uniflow_cfg(tmp_path, 'federate.total_round_num', '1')
+    from fs_plugins.sim import runner as runner_mod
+    updates = []
+    original = runner_mod.ServerProcedure.aggregate
+
+    def spy(self, round_idx, round_updates):
+        updates.extend(round_updates)
+        return original(self, round_idx, round_updates)
+    runner_mod.ServerProcedure.aggregate = spy
+    try:
+        _, clients = run_embedded_keeping_clients(cfg)
+    finally:
+        runner_mod.ServerProcedure.aggregate = original
+    shared = updates[0].shared
+    for modality in ('image', 'audio'):
+        assert any(f'.encoders.{modality}.' in k and 'lora_A' in k for k in shared)
+    assert any('.projectors.' in k for k in shared)
+    weights = [float(u.dataset_size) for u in updates]
+    global_ = clients[1].params
+    for a_key, b_key in lora_pairs(shared).values():
+        if '.encoders.' not in a_key:
+            continue
+        a, b = fed_a2([u.shared[a_key] for u in updates], [u.shared[b_key] for u in updates],
+                      weights, lam=0.1)
+        assert torch.allclose(global_[a_key], a, atol=1e-6)
+        assert torch.allclose(global_[b_key], b, atol=1e-5)
+
+
+@pytest.mark.parametrize('aggregation', [a for a in AGGREGATIONS if a != 'fed_a2'])
+def test_every_aggregation_runs_the_encoder_llm(tmp_path, aggregation):
+    cfg = uniflow_cfg(tmp_path, 'fsplug.uniflow.aggregation', aggregation,
+                      'federate.total_round_num', '1', 'train.local_update_steps', '4')
+    results, clients = run_embedded_keeping_clients(cfg)
+    evals = [r for r in results.rows if r['kind'] == 'eval']
+    assert len(evals) == 3 and all(r['test_avg_loss'] == r['test_avg_loss'] for r in evals)
+    assert clients[1].method.aggregator.name == aggregation
+
+
+# ------------------------------------------------------------------ bad input
+def test_uniflow_needs_the_encoder_llm_builder(tmp_path):
+    with pytest.raises(ConfigError, match="fsplug.model.builder = 'tiny_llama'.*imagebind_vicuna"):
+        uniflow_cfg(tmp_path, 'fsplug.model.builder', 'tiny_llama')
+
+
+def test_unknown_modality_key_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match='fsplug.model.multimodal.video'):
+        uniflow_cfg(tmp_path, 'fsplug.model.multimodal.video.backend', 'tiny_clip')
+
+
+def test_prompt_without_placeholder_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r'fsplug.model.multimodal.prompt.gap.*\{modality\}'):
+        one_client(tmp_path, 1, 'fsplug.model.multimodal.prompt.gap', 'Question: ')
+
+
+def test_modality_without_encoder_names_the_record_and_key(tmp_path):
+    proc = one_client(tmp_path, 1, 'fsplug.model.multimodal.audio.backend', '')
+    record = next(r for r in proc.train_data.records if r.get('audio'))
+    with pytest.raises(ConfigError, match=rf"Record {record['id']} has audio input.*"
+                                          r"fsplug.model.multimodal.audio.backend"):
+        proc.codec.encode(record)
+
+
+def test_unknown_modality_in_a_record_is_named(tmp_path):
+    proc = one_client(tmp_path, 1)
+    record = {**proc.train_data.records[0], 'modalities': ['audio', 'smell']}
+    with pytest.raises(ValueError, match=rf"Record {record['id']}: unknown modality \['smell'\]"):
+        proc.codec.encode(record)
+
+
+def test_missing_audio_file_names_it(tmp_path):
+    import json
+    cfg = uniflow_cfg(tmp_path)
+    build_federated_records(cfg)
+    path = tmp_path / 'data' / 'tiny_media.jsonl'
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records[0]['audio'] = 'tiny_media/nowhere.wav'
+    bad = tmp_path / 'bad.jsonl'
+    bad.write_text('\n'.join(json.dumps(r) for r in records))
+    (tmp_path / 'tiny_media').symlink_to(tmp_path / 'data' / 'tiny_media')
+    with pytest.raises(FileNotFoundError, match=rf"Audio file not found: .*nowhere.wav "
+                                                rf"\(record {records[0]['id']}"):
+        build_federated_records(uniflow_cfg(tmp_path, 'data.root', str(tmp_path),
+                                            'data.type', 'bad.jsonl@fsplug'))
+
+
+
+# ------------------------------------------------------------------ ImageBind backend
+class FakeTrunk(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.out_proj = torch.nn.Linear(width, width)
+
+    def forward(self, tokens):
+        return self.out_proj(tokens)
+
+
+class FakeImageBind(torch.nn.Module):
+    """The attributes of ImageBind's model that the backend uses, at a tiny width."""
+
+    def __init__(self, width=16, out=24):
+        super().__init__()
+        keys = ('vision', 'audio')
+        self.modality_preprocessors = torch.nn.ModuleDict(
+            {'vision': FakePreprocessor('vision', 3 * 4 * 4, width),
+             'audio': FakePreprocessor('audio', 4 * 6, width)})
+        self.modality_trunks = torch.nn.ModuleDict({k: FakeTrunk(width) for k in keys})
+        self.modality_heads = torch.nn.ModuleDict(
+            {k: FakeHead(width, out) for k in keys})
+        self.modality_postprocessors = torch.nn.ModuleDict(
+            {k: torch.nn.Identity() for k in keys})
+
+
+class FakePreprocessor(torch.nn.Module):
+    def __init__(self, key, size, width):
+        super().__init__()
+        self.key, self.embed = key, torch.nn.Linear(size, width)
+
+    def forward(self, **inputs):
+        tokens = self.embed(inputs[self.key].flatten(1)).unsqueeze(1)
+        return {'trunk': {'tokens': tokens}, 'head': {}}
+
+
+class FakeHead(torch.nn.Sequential):
+    def __init__(self, width, out):
+        super().__init__(torch.nn.Identity(), torch.nn.Linear(width, out))
+
+    def forward(self, states):
+        return super().forward(states[:, 0])
+
+
+@pytest.fixture
+def fake_imagebind(monkeypatch):
+    import sys
+    import types
+    package, models, data = (types.ModuleType(n) for n in
+                             ('imagebind', 'imagebind.models', 'imagebind.data'))
+    models.imagebind_model = types.SimpleNamespace(
+        imagebind_huge=lambda pretrained: FakeImageBind())
+    data.load_and_transform_vision_data = lambda paths, device: torch.ones(len(paths), 3, 4, 4)
+    data.load_and_transform_audio_data = lambda paths, device: torch.ones(len(paths), 3, 1, 4, 6)
+    package.models, package.data = models, data
+    for name, module in (('imagebind', package), ('imagebind.models', models),
+                         ('imagebind.models.imagebind_model', models.imagebind_model),
+                         ('imagebind.data', data)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_imagebind_backend_gives_one_global_feature_per_input(tmp_path, fake_imagebind):
+    proc = one_client(tmp_path, BOTH_CLIENT,
+                      'fsplug.model.multimodal.image.backend', 'imagebind',
+                      'fsplug.model.multimodal.image.pool_tokens', '1',
+                      'fsplug.model.multimodal.audio.backend', 'imagebind',
+                      'fsplug.model.multimodal.audio.pool_tokens', '1',
+                      'fsplug.model.multimodal.image.lora_targets', ['out_proj'],
+                      'fsplug.model.multimodal.audio.lora_targets', ['out_proj'])
+    assert {part_of(n) for n in proc.trainable_names} == {'encoders', 'projectors',
+                                                          'language_model'}
+    example = proc.train_data[0]
+    assert example['feature_slots'].tolist().count(1) == example['feature_slots'].tolist().count(2) == 1
+    assert example['audio_clips'].shape == (1, 3, 1, 4, 6)
+    assert trained_parts_per_step(proc)[0] == ENCODER_SIDE
+
+
+def test_imagebind_refuses_several_pool_tokens(tmp_path, fake_imagebind):
+    with pytest.raises(ConfigError, match='fsplug.model.multimodal.image.pool_tokens = 4'):
+        one_client(tmp_path, BOTH_CLIENT, 'fsplug.model.multimodal.image.backend', 'imagebind')
