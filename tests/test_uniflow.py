@@ -283,3 +283,43 @@ def test_imagebind_backend_gives_one_global_feature_per_input(tmp_path, fake_ima
 def test_imagebind_refuses_several_pool_tokens(tmp_path, fake_imagebind):
     with pytest.raises(ConfigError, match='fsplug.model.multimodal.image.pool_tokens = 4'):
         one_client(tmp_path, BOTH_CLIENT, 'fsplug.model.multimodal.image.backend', 'imagebind')
+
+
+@pytest.mark.parametrize('backend', ['clip', 'siglip'])
+def test_transformers_vision_backends_load_from_a_folder(tmp_path, backend):
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel,
+                              SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel)
+    dims = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2)
+    model_class, config_class, processor = {
+        'clip': (CLIPVisionModel, CLIPVisionConfig,
+                 CLIPImageProcessor(size={'shortest_edge': 32}, crop_size={'height': 32, 'width': 32})),
+        'siglip': (SiglipVisionModel, SiglipVisionConfig,
+                   SiglipImageProcessor(size={'height': 32, 'width': 32}))}[backend]
+    folder = tmp_path / backend
+    model_class(config_class(**dims)).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    proc = one_client(tmp_path, 3, 'fsplug.model.multimodal.image.backend', backend,
+                      'fsplug.model.multimodal.image.path', str(folder))
+    batch = proc.collate([proc.train_data[0]])
+    # 4 x 4 patches: CLIP's CLS state is left out, SigLIP has none
+    assert proc.model.base_model.model.encoders['image'](batch['pixel_values']).shape == (1, 16, 32)
+    assert trained_parts_per_step(proc)[0] == ENCODER_SIDE
+
+
+def test_whisper_backend_cuts_its_window_to_max_seconds(tmp_path):
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
+    folder = tmp_path / 'whisper'
+    WhisperModel(WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                               encoder_attention_heads=2, decoder_attention_heads=2,
+                               encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80)
+                 ).save_pretrained(folder)
+    WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)
+    proc = one_client(tmp_path, 1, 'fsplug.model.multimodal.audio.backend', 'whisper',
+                      'fsplug.model.multimodal.audio.path', str(folder),
+                      'fsplug.model.multimodal.audio.max_seconds', '0.6')
+    example = proc.train_data[0]
+    assert example['input_features'].shape == (1, 80, 60)          # 100 mel frames a second
+    states = proc.model.base_model.model.encoders['audio'](example['input_features'])
+    assert states.shape == (1, 30, 32)                               # 50 positions a second
+    assert trained_parts_per_step(proc)[0] == ENCODER_SIDE
