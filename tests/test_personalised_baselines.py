@@ -282,3 +282,12 @@ def test_perada_bad_public_data_names_the_key(tmp_path, source, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         method.aggregate(method.init_server_state(update.shared), [update])
 
+
+
+@pytest.mark.parametrize('method', ['ditto', 'fedsim', 'feddat', 'perada'])
+def test_twin_adapter_methods_refuse_vera_naming_the_key(tmp_path, method):
+    from fs_plugins.errors import ConfigError
+    with pytest.raises(ConfigError, match=rf"fsplug.model.adapter = 'vera': fsplug.method = "
+                                          rf"'{method}'.*needs 'lora'"):
+        load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(
+            tmp_path, method, fsplug={'method': method, 'model': {'adapter': 'vera'}})))

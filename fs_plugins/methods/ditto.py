@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fs_plugins.methods.base import (Method, Phase, activate_adapters, copy_adapter, load_tensors,
                                     proximal_term)
-from fs_plugins.methods.dual_adapter import add_twin_adapter
+from fs_plugins.methods.dual_adapter import add_twin_adapter, needs_lora_adapter
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
@@ -41,6 +41,10 @@ class Ditto(Method):
     sent = 'global A, B / global A, B'
     config_class = DittoConfig
     inference_adapters = (PERSONAL,)
+
+    @classmethod
+    def config_problems(cls, hparams, cfg):
+        return needs_lora_adapter(cls.name, cfg)
 
     def adapt_model(self, model, cfg):
         add_twin_adapter(model, PERSONAL)

@@ -16,3 +16,13 @@ def add_twin_adapter(model: torch.nn.Module, name: str, weight: float = 1.0,
         if f'.{name}.' in param_name:
             param.requires_grad_(trainable)
 
+
+
+def needs_lora_adapter(method: str, cfg) -> list[str]:
+    """The config problem of running a twin-adapter method without LoRA (its twin is built
+    from the LoRA config; plain dicts)."""
+    adapter = cfg['fsplug']['model']['adapter']
+    if adapter != 'lora':
+        return [f"fsplug.model.adapter = {adapter!r}: fsplug.method = '{method}' keeps a second "
+                f"LoRA adapter and needs 'lora'"]
+    return []

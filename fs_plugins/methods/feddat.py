@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from fs_plugins.data.instruction import IGNORE_INDEX
 from fs_plugins.methods.base import Method, Phase, activate_adapters, copy_adapter, load_tensors
-from fs_plugins.methods.dual_adapter import add_twin_adapter
+from fs_plugins.methods.dual_adapter import add_twin_adapter, needs_lora_adapter
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
@@ -66,6 +66,10 @@ class FedDAT(Method):
     sent = 'shared A, B / shared A, B'
     config_class = FedDATConfig
     inference_adapters = TEACHER
+
+    @classmethod
+    def config_problems(cls, hparams, cfg):
+        return needs_lora_adapter(cls.name, cfg)
 
     def adapt_model(self, model, cfg):
         # the DAT averages its two adapters: each at half the LoRA scaling

@@ -10,7 +10,7 @@ paper's alternating variant, updates v_k first and then u; FedDPA-LoRA here trai
 adapter first, then the local one.)
 """
 from fs_plugins.methods.base import Method, activate_adapters
-from fs_plugins.methods.dual_adapter import add_twin_adapter
+from fs_plugins.methods.dual_adapter import add_twin_adapter, needs_lora_adapter
 from fs_plugins.methods.registry import register_method
 
 SHARED, PERSONAL = 'default', 'local'
@@ -22,6 +22,10 @@ class FedSim(Method):
     summary = ('FedSim: a shared LoRA (averaged) + a personal LoRA (kept), both active and '
                'trained together at every step')
     sent = 'shared A, B / shared A, B'
+
+    @classmethod
+    def config_problems(cls, hparams, cfg):
+        return needs_lora_adapter(cls.name, cfg)
 
     def adapt_model(self, model, cfg):
         add_twin_adapter(model, PERSONAL)
