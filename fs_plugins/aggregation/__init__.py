@@ -8,3 +8,4 @@ from fs_plugins.aggregation.mosaic import (  # noqa: F401,E402
     align_a, align_b, customised_globals, pq_block_layers, rela_weights,
 )
 from fs_plugins.aggregation.distill import ensemble_logits, kd_divergence  # noqa: F401,E402
+from fs_plugins.aggregation.eeqa import eeqa_quota  # noqa: F401,E402
