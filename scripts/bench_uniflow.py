@@ -7,9 +7,8 @@ train in the step (float32); on CUDA also torch's peak allocation.
 
 Each schedule runs in its own subprocess (a fresh peak-memory counter): it builds one client of
 the YAML (default: the offline easyvqa image + spoken-question federation, a spoken client),
-trains `--warmup` steps, then times `--steps` steps of local rounds of `--steps` steps. Peak
-memory is the process's peak resident set (CPU) or torch's peak allocation (CUDA), minus what
-the built model held before training.
+trains one warm-up round, then times `--repeats` local rounds of `--steps` steps. Peak
+memory is the process's peak resident set (CPU) or torch's peak allocation (CUDA).
 
     python scripts/bench_uniflow.py [--cfg yamls/uniflow/easyvqa_image_audio.yaml]
         [--client 3] [--steps 8] [--repeats 2]
@@ -87,10 +86,8 @@ def measure(args) -> dict:
     proc.run_round(0)                              # warm-up: one round, not timed
     saved = SavedActivations(proc.model)
     proc.compute_loss = saved.step(proc.compute_loss)
-    before = peak_bytes(device)
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
     for round_idx in range(1, args.repeats + 1):
         proc.run_round(round_idx)

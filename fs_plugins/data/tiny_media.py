@@ -6,7 +6,6 @@ Field `client_group` ('image', 'audio', 'both') gives one client per modality se
 from __future__ import annotations
 
 import os
-import wave
 
 import numpy as np
 
@@ -29,13 +28,10 @@ def write_png(path: str, colour: str, rng) -> None:
 
 def write_tone(path: str, colour: str, rng) -> None:
     """A 16-bit mono WAV: the colour's tone plus noise."""
+    from fs_plugins.data.speech import write_wav
     t = np.arange(int(SAMPLE_RATE * SECONDS)) / SAMPLE_RATE
     signal = 0.5 * np.sin(2 * np.pi * TONE_HZ[colour] * t) + 0.05 * rng.standard_normal(t.size)
-    with wave.open(path, 'wb') as handle:
-        handle.setnchannels(1)
-        handle.setsampwidth(2)
-        handle.setframerate(SAMPLE_RATE)
-        handle.writeframes((np.clip(signal, -1, 1) * 32767).astype('<i2').tobytes())
+    write_wav(path, signal, SAMPLE_RATE)
 
 
 def tiny_media_records(root: str, per_group: int = 24, seed: int = 0) -> list[dict]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from fs_plugins.methods.base import Method, Phase
 from fs_plugins.methods.registry import get_method_class, register_method
+from fs_plugins.models.encoder_llm import modalities
 from fs_plugins.schema import option
 
 SCHEDULES = ('two_stage', 'reverse', 'round', 'simultaneous')
@@ -90,7 +91,7 @@ class UniFLoW(Method):
         problems = aggregation.config_problems(aggregation.options(cfg), cfg)
         if hparams.schedule != 'simultaneous' and hparams.projector_stage == 'llm':
             encoders = model['multimodal']
-            if not any(encoders[m]['lora_targets'] for m in ('image', 'audio')
+            if not any(encoders[m]['lora_targets'] for m in modalities()
                        if encoders[m]['backend']) and not model['vision']['train_tower']:
                 problems.append("fsplug.uniflow.projector_stage = 'llm' with no encoder LoRA "
                                 "(fsplug.model.multimodal.<modality>.lora_targets): the encoder "

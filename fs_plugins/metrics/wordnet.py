@@ -15,7 +15,6 @@ import gzip
 import os
 import re
 import shutil
-import tempfile
 from functools import lru_cache
 
 from fs_plugins.models.cache import cache_dir
@@ -85,24 +84,6 @@ def build_wordnet_dir(target: str, source: str | None = None, man_page: str | No
             handle.write(lexnames_text(man_page))
         os.chmod(staging, 0o755)
     return ensure_cached_dir(target, build, marker='lexnames')
-    parent = os.path.dirname(os.path.abspath(target))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix='.wordnet-')
-    try:
-        for name in nltk_wordnet_files():
-            if name != 'lexnames':
-                shutil.copyfile(os.path.join(source, name), os.path.join(staging, name))
-        with open(os.path.join(staging, 'lexnames'), 'w', encoding='utf-8') as handle:
-            handle.write(lexnames_text(man_page))
-        os.chmod(staging, 0o755)
-        try:
-            os.rename(staging, target)
-        except OSError:  # another process won the race
-            if not os.path.isfile(os.path.join(target, 'lexnames')):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _nltk_wordnet():

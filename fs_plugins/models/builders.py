@@ -237,20 +237,15 @@ class BuiltModel:
         return self.codec.tokenizer
 
 
-def unfreeze_switched_modules(model: torch.nn.Module, base: LoadedBase, vision_cfg) -> None:
-    """Makes the modules selected by fsplug.model.vision switches trainable (e.g. the
+def unfreeze_non_adapter_modules(model: torch.nn.Module, base: LoadedBase, vision_cfg) -> None:
+    """Makes trainable, outside the adapters, the builder's `trained_modules` (e.g. a
+    classifier's head) and the modules selected by fsplug.model.vision switches (e.g. the
     projector of a vision-language model)."""
-    for switch, fragment in base.trainable_switches.items():
-        if vision_cfg[switch]:
-            for name, param in model.named_parameters():
-                if fragment in name and 'lora_' not in name:
-                    param.requires_grad_(True)
-
-
-def unfreeze_trained_modules(model: torch.nn.Module, base: LoadedBase) -> None:
-    """Makes the builder's `trained_modules` trainable (e.g. a classifier's head)."""
+    fragments = list(base.trained_modules) + [fragment for switch, fragment
+                                              in base.trainable_switches.items()
+                                              if vision_cfg[switch]]
     for name, param in model.named_parameters():
-        if any(fragment in name for fragment in base.trained_modules) and 'lora_' not in name:
+        if any(fragment in name for fragment in fragments) and 'lora_' not in name:
             param.requires_grad_(True)
 
 
@@ -273,8 +268,7 @@ def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
     base = load_base(cfg)
     base_params = {id(p) for p in base.model.parameters()}
     model = inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'), base)
-    unfreeze_switched_modules(model, base, cfg.fsplug.model.vision)
-    unfreeze_trained_modules(model, base)
+    unfreeze_non_adapter_modules(model, base, cfg.fsplug.model.vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))
         model = method.adapt_model(model, cfg)

@@ -151,16 +151,12 @@ def load_tiny_roberta_classifier(cfg, path: str) -> LoadedBase:
 def build_tokenizer(vocab_size: int = 300):
     """A byte-level BPE tokenizer trained on the GLUE fixture's words, with RoBERTa's special
     tokens (<pad> = 1 as in RoBERTa) and pair template `<s> A </s></s> B </s>`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     from fs_plugins.data.glue import tiny_corpus
-    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS['unk_token']))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    from fs_plugins.models.tiny import train_byte_bpe
+    tok = train_byte_bpe(tiny_corpus(), vocab_size, SPECIAL_TOKENS, add_prefix_space=True)
     tok.post_processor = processors.RobertaProcessing(('</s>', tok.token_to_id('</s>')),
                                                       ('<s>', tok.token_to_id('<s>')))
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_input_names=['input_ids', 'attention_mask'],

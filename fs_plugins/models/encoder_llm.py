@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from fs_plugins.data.instruction import IGNORE_INDEX
-from fs_plugins.data.multimodal import MEDIA_FIELDS, media_paths
+from fs_plugins.data.multimodal import media_paths
 from fs_plugins.errors import ConfigError
 from fs_plugins.models.builders import LoadedBase, TextCodec, _BUILDERS, register_builder
 from fs_plugins.models.codecs import TOKEN_KEYS, Codec, pad_examples
@@ -134,7 +134,7 @@ class EncoderLLMCodec(Codec):
             if unknown:
                 raise ValueError(f"{where}: unknown modality {unknown} in 'modalities'; known: "
                                  f"{list(self.modality_order)}")
-        present = [m for m in self.modality_order if m in MEDIA_FIELDS and record.get(m)]
+        present = [m for m in self.modality_order if record.get(m)]
         for modality in present + list(listed or []):
             if modality not in self.encoders:
                 raise ConfigError(f"{where} has {modality} input but no {modality} encoder is "

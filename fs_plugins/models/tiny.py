@@ -32,15 +32,22 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int = 400):
+def train_byte_bpe(corpus, vocab_size: int, special_tokens: dict, add_prefix_space: bool):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `corpus` (texts), with
+    `special_tokens` (name -> token, including 'unk_token') first in its vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS['unk_token']))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok = Tokenizer(models.BPE(unk_token=special_tokens['unk_token']))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens.values()),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def build_tokenizer(vocab_size: int = 400):
+    from transformers import PreTrainedTokenizerFast
+    tok = train_byte_bpe(_corpus(), vocab_size, SPECIAL_TOKENS, add_prefix_space=False)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
