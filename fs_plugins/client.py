@@ -130,6 +130,9 @@ class ClientProcedure:
             logger.warning(f"Client {self.client_id}: non-finite loss, step skipped")
             self.stats['skipped'] += 1
             return False
+        if self.method.gradient_free:
+            self.method.after_step(self.model, self.state)
+            return True
         self.optimizer.zero_grad(set_to_none=True)  # frozen phases keep grad None: no update
         loss.backward()
         self.method.before_optimizer_step(self.model, self.state)

@@ -15,6 +15,7 @@ import torch
 
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
 from fs_plugins.config import load_config
+from fs_plugins.methods.library_reuse import LibraryMethod
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.sim.runner import run_embedded
 from helpers import deep_update, tiny_config, tiny_yaml_of, write_yaml
@@ -117,6 +118,10 @@ MODEL_SETUP = {'flame': FLAME_MODEL, 'hetlora_experts': FLAME_MODEL,   # tiny OL
                'perada': {'fsplug': {'perada': {'kd_steps': 3, 'kd_batch_size': 4,
                                                 'public_samples': 8},
                                      'aggregation': {'per_architecture': True}}}}
+# the LoRA-reuse methods compose the builtin tiny library (tuners.library.builtin)
+MODEL_SETUP.update({name: {'fsplug': {'model': {'library': {'adapters': ['builtin:tiny-a',
+                                                                         'builtin:tiny-b']}}}}
+                    for name, cls in all_methods().items() if issubclass(cls, LibraryMethod)})
 CLIENT_CFGS = {'hetlora': MIXED_RANKS, 'flexlora': MIXED_RANKS, 'fed_a2': MIXED_RANKS,
                'hetlora_experts': MIXED_RANKS, 'flexlora_experts': MIXED_RANKS,
                'fedmosaic': HETEROGENEOUS,   # clients 3, 4 on a wider, deeper tiny Llama

@@ -12,6 +12,7 @@ from fs_plugins import config as config_mod
 from fs_plugins.data import glue, splitters, stream
 from fs_plugins.data.builtin import ensure_builtin
 from fs_plugins.data.instruction import load_records
+from fs_plugins.errors import ConfigError
 from fs_plugins.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -93,10 +94,23 @@ def load_data_records(cfg) -> tuple[list[dict], bool]:
     source = glue.parse_data_type(config_mod.data_name(cfg), str(cfg.data.root))
     if source is not None:
         return glue.load_glue(source, data_cfg.max_records), True
-    records = load_records(resolve_data_path(cfg))
+    records = select_records(load_records(resolve_data_path(cfg)), data_cfg.split_field,
+                             list(data_cfg.select))
     if data_cfg.max_records:
         records = records[:data_cfg.max_records]
     return records, data_cfg.split_from_records
+
+
+def select_records(records: list[dict], field: str, values: list[str]) -> list[dict]:
+    """fsplug.data.select: the records whose `field` is one of `values` (all when empty)."""
+    if not values:
+        return records
+    kept = [r for r in records if str(r.get(field)) in values]
+    if not kept:
+        found = sorted({str(r.get(field)) for r in records})
+        raise ConfigError(f"fsplug.data.select = {values}: no record has fsplug.data.split_field "
+                          f"'{field}' among them (values found: {found[:10]})")
+    return kept
 
 
 def build_federated_records(cfg) -> FederatedRecords:

@@ -81,6 +81,12 @@ class Method:
     # the peft adapters active outside training (evaluation, saving, export) when phases
     # switch them; None: the adapters adapt_model left active
     inference_adapters: ClassVar[Optional[tuple[str, ...]]] = None
+    # False: the model gets no peft adapter from fsplug.model.lora (the method brings its own
+    # trainable modules, e.g. the LoRA-reuse methods' routers over a frozen library)
+    uses_peft_adapter: ClassVar[bool] = True
+    # True: local steps only evaluate `loss` (no backward, no optimiser step), e.g. LoRAHub's
+    # gradient-free search, where the loss scores candidates the server proposed
+    gradient_free: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -267,7 +267,8 @@ def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
     builder_name, path = cfg.fsplug.model.builder, model_path(cfg)
     base = load_base(cfg)
     base_params = {id(p) for p in base.model.parameters()}
-    model = inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'), base)
+    model = (inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'), base)
+             if method.uses_peft_adapter else base.model)
     unfreeze_non_adapter_modules(model, base, cfg.fsplug.model.vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))

@@ -116,6 +116,18 @@ class MultimodalOptions:
 
 
 @dataclass
+class LibraryOptions:
+    adapters: list[str] = option([], 'existing LoRA adapters composed by the LoRA-reuse methods '
+                                     '(smartfed, linear_arithmetic, lorahub, mole, lora_flow): '
+                                     'peft adapter folders (adapter_config.json + '
+                                     'adapter_model.safetensors) for this base, all frozen; '
+                                     "'builtin:tiny-a' / 'builtin:tiny-b' = two made here for "
+                                     'the tiny Llama')
+    check_base: bool = option(True, "refuse an adapter whose base_model_name_or_path names "
+                                    'another base than the loaded model (compared by folder name)')
+
+
+@dataclass
 class ModelOptions:
     builder: str = option('causal_lm', 'how model.type is loaded (a registered model builder)',
                           choices=_builders)
@@ -129,6 +141,8 @@ class ModelOptions:
     multimodal: MultimodalOptions = section(MultimodalOptions, 'encoders + LLM (builder '
                                                                'imagebind_vicuna, UniFLoW)')
     lora: LoraOptions = section(LoraOptions, 'LoRA settings')
+    library: LibraryOptions = section(LibraryOptions, 'frozen LoRA adapters that the LoRA-reuse '
+                                                      'methods compose (SmartFed and baselines)')
 
 
 @dataclass
@@ -142,6 +156,9 @@ class DataOptions:
     val_fraction: float = option(0.0, "fraction of each client's records held out as its validation "
                                       "split (evaluated as val_*; FLAME's 80/10/10: test_fraction and "
                                       "val_fraction 0.1)", ge=0, lt=1)
+    select: list[str] = option([], "keep only the records whose split_field value is one of "
+                                   "these, before max_records and the split ([] = all; e.g. "
+                                   "easyvqa's task 'yes_no')")
     max_records: int = option(0, 'cap on records read from the file, before the split (0 = all)', ge=0)
     prompt: str = option('alpaca', 'prompt template of instruction records (multimodal records use '
                                    "their model's own format)", choices=_prompts)
