@@ -2,7 +2,7 @@
 # SmartFed vs the LoRA-reuse baselines and FedIT on easy-vqa yes/no questions, composing a
 # library of a colour LoRA and a shape LoRA trained here. Resumable: a finished run (its
 # summary.md exists) is skipped.
-#   SEEDS="1 2" bash scripts/smartfed_easyvqa.sh            # results under $OUT (exp/smartfed_easyvqa)
+#   SEEDS="1 2" bash scripts/smartfed_easyvqa.sh   # results: $OUT/seed<k>/<run> (exp/smartfed_easyvqa)
 #   EXTRA="federate.total_round_num 4" bash scripts/smartfed_easyvqa.sh
 set -euo pipefail
 OUT=${OUT:-exp/smartfed_easyvqa}
@@ -28,7 +28,7 @@ RUNS=(
 for seed in $SEEDS; do
   for entry in "${RUNS[@]}"; do
     name=${entry%%|*}; overrides=${entry#*|}
-    dir=$OUT/$name/seed$seed
+    dir=$OUT/seed$seed/$name
     [ -f "$dir/summary.md" ] && continue
     mkdir -p "$(dirname "$dir")"
     # shellcheck disable=SC2086
@@ -37,3 +37,23 @@ for seed in $SEEDS; do
       fsplug.results_dir "$dir" outdir "$OUT/fs" > "$dir.log" 2>&1 || { echo "failed: $name seed $seed (see $dir.log)"; exit 1; }
   done
 done
+# accuracy (last round, per client and mean over seeds) and its curve per round
+python scripts/compare.py "$OUT"/seed*/* --metric test_vqa_acc --baseline fedit --plot "$OUT/vqa_acc.png"
+python scripts/compare.py "$OUT"/seed*/* --metric test_token_acc --baseline fedit
+# activated rank and bytes per client per round (train rows of the last round)
+python - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+print(f"{'run':<24} {'activated rank':>15} {'bytes up / round':>17}")
+for run in sorted({os.path.basename(d) for d in glob.glob(os.path.join(sys.argv[1], 'seed*', '*'))}):
+    rows = [json.loads(line) for d in glob.glob(os.path.join(sys.argv[1], 'seed*', run))
+            for line in open(os.path.join(d, 'results.jsonl'))]
+    last = max(r['round'] for r in rows)
+    train = [r for r in rows if r['kind'] == 'train' and r['round'] == last]
+    if 'activated_rank' in train[0]:
+        rank = statistics.mean(r['activated_rank'] for r in train)
+    else:   # FedIT: its own LoRA, every rank active
+        info = json.load(open(os.path.join(glob.glob(os.path.join(sys.argv[1], 'seed*', run))[0],
+                                           'run_info.json')))
+        rank = info['config']['fsplug']['model']['lora']['r']
+    print(f"{run:<24} {rank:>15.1f} {statistics.mean(r['bytes_up'] for r in train):>17,.0f}")
+PY
