@@ -37,14 +37,28 @@ for seed in $SEEDS; do
       fsplug.results_dir "$dir" outdir "$OUT/fs" > "$dir.log" 2>&1 || { echo "failed: $name seed $seed (see $dir.log)"; exit 1; }
   done
 done
-# accuracy (last round, per client and mean over seeds) and its curve per round
-python scripts/compare.py "$OUT"/seed*/* --metric test_vqa_acc --baseline fedit --plot "$OUT/vqa_acc.png"
-python scripts/compare.py "$OUT"/seed*/* --metric test_token_acc --baseline fedit
+# accuracy (last round, per client and mean over seeds), its curve per round (the plot and a
+# table of the client mean per round), activated rank and bytes
+python - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+runs = sorted({os.path.basename(d) for d in glob.glob(os.path.join(sys.argv[1], 'seed*', '*'))
+               if os.path.isdir(d)})
+for run in runs:
+    rows = [json.loads(line) for d in glob.glob(os.path.join(sys.argv[1], 'seed*', run))
+            for line in open(os.path.join(d, 'results.jsonl'))]
+    evals = [r for r in rows if r['kind'] == 'eval']
+    curve = [statistics.mean(r['test_token_acc'] for r in evals if r['round'] == k)
+             for k in sorted({r['round'] for r in evals})]
+    print(f"{run:<24} token acc per round: {' '.join(f'{v:.3f}' for v in curve)}")
+PY
+python scripts/compare.py "$OUT"/seed*/*/ --metric test_vqa_acc --baseline fedit --plot "$OUT/vqa_acc.png"
+python scripts/compare.py "$OUT"/seed*/*/ --metric test_token_acc --baseline fedit
 # activated rank and bytes per client per round (train rows of the last round)
 python - "$OUT" <<'PY'
 import glob, json, os, statistics, sys
 print(f"{'run':<24} {'activated rank':>15} {'bytes up / round':>17}")
-for run in sorted({os.path.basename(d) for d in glob.glob(os.path.join(sys.argv[1], 'seed*', '*'))}):
+for run in sorted({os.path.basename(d) for d in glob.glob(os.path.join(sys.argv[1], 'seed*', '*'))
+                   if os.path.isdir(d)}):
     rows = [json.loads(line) for d in glob.glob(os.path.join(sys.argv[1], 'seed*', run))
             for line in open(os.path.join(d, 'results.jsonl'))]
     last = max(r['round'] for r in rows)
