@@ -148,8 +148,11 @@ def measure_memory(args, workdir) -> dict:
     return {'peak_mb': (peak - runtime) / 1024, 'overhead_mb': (peak - built) / 1024}
 
 
-def memory_in_subprocess(args, config: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), '--memory-of', config, '--models', args.model,
+def memory_in_subprocess(args, config: str, script: str = __file__, extra=None) -> dict:
+    """`script --memory-of config` in a fresh process (`extra`: its own further options;
+    default this script's --models); returns the JSON line it prints last."""
+    extra = ['--models', args.model] if extra is None else list(extra)
+    cmd = [sys.executable, os.path.abspath(script), '--memory-of', config, *extra,
            '--batch', str(args.batch), '--seq-len', str(args.seq_len),
            '--round-steps', str(args.round_steps), '--threads', str(args.threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ import torch
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(SCRIPTS))
 sys.path.insert(0, SCRIPTS)
-from bench_fedmole import Trainer, _status_kb, random_batch  # noqa: E402
+from bench_fedmole import Trainer, _status_kb, memory_in_subprocess, random_batch  # noqa: E402
 
 RANK, TARGETS = 16, ['q_proj', 'v_proj']
 CONFIGS = {'fedavg': ('fedavg', {}),
@@ -123,18 +122,8 @@ def measure_memory(args, workdir) -> dict:
     return {'peak_mb': (_status_kb('VmHWM') - runtime) / 1024}
 
 
-def memory_in_subprocess(args, config: str, workdir: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), '--memory-of', config, '--workdir', workdir,
-           '--batch', str(args.batch), '--seq-len', str(args.seq_len),
-           '--round-steps', str(args.round_steps), '--threads', str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f'memory run for {config} failed:\n{proc.stderr[-3000:]}')
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def step_table(args, workdir) -> None:
-    memory = {c: memory_in_subprocess(args, c, workdir) for c in CONFIGS}
+    memory = {c: memory_in_subprocess(args, c, __file__, ['--workdir', workdir]) for c in CONFIGS}
     times, sent = time_steps(args, workdir)
     base_t, base_m, base_b = statistics.median(times['fedavg']), memory['fedavg'], sent['fedavg']
     print(f"\n== 1. training step, smollm2, batch {args.batch} x {args.seq_len} tokens, "

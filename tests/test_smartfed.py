@@ -33,7 +33,7 @@ def built(tmp_path, method='smartfed', *overrides):
     return cfg, method_obj, build_model(cfg, method_obj, share_frozen=False)
 
 
-def batch_of(built_model, size=2):
+def batch_of(size=2):
     torch.manual_seed(0)
     ids = torch.randint(4, 300, (size, 12))
     return {'input_ids': ids, 'attention_mask': torch.ones_like(ids), 'labels': ids}
@@ -73,7 +73,7 @@ def test_library_factors_match_peft_loading_the_same_folders(tmp_path):
                                           resolve_path(LIBRARY[0]), adapter_name='a')
     reference.load_adapter(resolve_path(LIBRARY[1]), adapter_name='b')
     reference.base_model.set_adapter(['a', 'b'])
-    batch = batch_of(model)
+    batch = batch_of()
     with torch.no_grad():
         ours = model.model(input_ids=batch['input_ids']).logits
         theirs = reference(input_ids=batch['input_ids']).logits
@@ -96,7 +96,7 @@ def test_sparse_dispatch_gradients_match_autograd_of_the_dense_formula():
 def test_only_the_routers_train_and_have_gradients(tmp_path, router_input):
     cfg, method, model = built(tmp_path, 'smartfed', 'fsplug.smartfed.router_input', router_input)
     assert model.trainable_names and all(n.endswith('.library.router') for n in model.trainable_names)
-    loss = method.loss(model.model, batch_of(model), method.init_client_state(model.model, cfg))
+    loss = method.loss(model.model, batch_of(), method.init_client_state(model.model, cfg))
     loss.backward()
     with_grad = {n for n, p in model.model.named_parameters() if p.grad is not None}
     assert with_grad == set(model.trainable_names)
@@ -212,7 +212,7 @@ def test_lora_flow_weights_come_from_the_decoder_layer_input(tmp_path):
     captured = {}
     q_proj.register_forward_hook(lambda m, a, o: captured.update(x=a[0], out=m.library(a[0])))
     with torch.no_grad():
-        model.model(input_ids=batch_of(model)['input_ids'])
+        model.model(input_ids=batch_of()['input_ids'])
     hidden = seen['h'].reshape(-1, seen['h'].shape[-1])
     weights = (hidden @ gate.weight.t()).softmax(-1) + gate.bias
     name = 'model.layers.0.self_attn.q_proj'

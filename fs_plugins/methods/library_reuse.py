@@ -36,7 +36,6 @@ class LibraryMethod(Method):
     def adapt_model(self, model, cfg):
         options = cfg.fsplug.model.library
         library = load_library(list(options.adapters), model, bool(options.check_base))
-        model.library_adapters = [adapter.name for adapter in library]
         self.before_attach(model, library)
         layers = attach_library(model, library, self.make_layer)
         object.__setattr__(model, LAYERS_ATTR, layers)   # a plain dict, not submodules

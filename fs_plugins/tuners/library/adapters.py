@@ -39,10 +39,6 @@ class LibraryAdapter:
     base: str                              # adapter_config.json's base_model_name_or_path
     modules: dict[str, ModuleFactors]      # module path in the base model -> factors
 
-    @property
-    def ranks(self) -> set[int]:
-        return {f.rank for f in self.modules.values()}
-
 
 def _builtin_adapters():
     from fs_plugins.tuners.library.builtin import BUILTIN_ADAPTERS

@@ -113,6 +113,9 @@ class _LibraryFactors(nn.Module):
         self.register_buffer('A', A.float().contiguous(), persistent=False)
         self.register_buffer('B_t', B.t().float().contiguous(), persistent=False)
         self.register_buffer('owner', owner, persistent=False)
+        # the library adapters on this layer (owner is grouped by adapter) and their ranks
+        adapters, ranks = owner.unique_consecutive(return_counts=True)
+        self.adapters, self.adapter_ranks = adapters, ranks.tolist()
 
     @property
     def num_experts(self) -> int:
@@ -176,12 +179,9 @@ class MergedLora(_LibraryFactors):
 
     def __init__(self, A, B, owner, weights_of):
         super().__init__(A, B, owner)
-        ranks = torch.bincount(owner)
-        ranks = ranks[ranks > 0]
-        if len(set(ranks.tolist())) > 1:
-            raise ValueError(f'merging adapters of different ranks {ranks.tolist()} on one layer')
-        self.rank = int(ranks[0])
-        self.adapters = owner.unique_consecutive()
+        if len(set(self.adapter_ranks)) > 1:
+            raise ValueError(f'merging adapters of different ranks {self.adapter_ranks} on one layer')
+        self.rank = self.adapter_ranks[0]
         self._weights_of = weights_of   # a callable: a module reference would register twice
 
     def forward(self, x):
@@ -197,7 +197,6 @@ class LoraGate(_LibraryFactors):
 
     def __init__(self, A, B, owner, temperature: float = 1.0):
         super().__init__(A, B, owner)
-        self.adapters = owner.unique_consecutive()
         n = len(self.adapters)
         self.gate = nn.Parameter(torch.zeros(n, n * self.out_features))
         self.temperature = temperature
@@ -206,8 +205,9 @@ class LoraGate(_LibraryFactors):
         tokens = _tokens(x, self.in_features)
         low = F.linear(tokens, self.A)                                   # (T, E)
         n = len(self.adapters)
-        outputs = torch.stack([low[:, self.owner == a] @ self.B_t[self.owner == a]
-                               for a in self.adapters], dim=1)           # (T, n, d_out)
+        outputs = torch.stack([part @ b_t for part, b_t in
+                               zip(low.split(self.adapter_ranks, dim=1),
+                                   self.B_t.split(self.adapter_ranks))], dim=1)  # (T, n, d_out)
         flat = F.layer_norm(outputs.reshape(tokens.shape[0], -1), (n * self.out_features,))
         gates = (F.linear(flat, self.gate) / self.temperature).softmax(-1)
         return self._out((gates.unsqueeze(-1) * outputs).sum(1), x)
