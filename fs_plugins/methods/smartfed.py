@@ -49,8 +49,10 @@ ARTIFACT_QUOTA = 'smartfed/quota'
 @dataclass
 class SmartFedConfig:
     budget: int = option(8, 'K: rank-1 experts a matrix activates on average; EEQA spends '
-                            'B = K·J over the J library matrices (Algorithm 1); K = the '
-                            "library's single-LoRA rank matches Table 1's activated rank", ge=1)
+                            'B = K·J over the J library matrices (Algorithm 1). The paper sets '
+                            'K to one library LoRA\'s rank (Table 1: activated rank 32 with '
+                            'r = 32 LoRAs); the default 8 is the rank of the easyvqa library '
+                            'here: set it to your library\'s rank', ge=1)
     quota_cap: int = option(0, "M: Algorithm 1's per-matrix upper bound; 0 = the smallest "
                                'expert pool of any matrix', ge=0)
     eeqa: bool = option(True, 'allocate the quotas with EEQA after the warm-up; False = q_j = K '
