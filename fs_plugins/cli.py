@@ -1,5 +1,8 @@
 """`fs-plugins run --cfg X.yaml [--client_cfg C.yaml] [--runner auto|fs|embedded] [key value ...]`
 `fs-plugins methods [--import MODULE ...]` lists the registered methods.
+`fs-plugins estimate --cfg X.yaml [--client_cfg C.yaml] [--seq-len N] [key value ...]` sizes each
+client's training (parameters, peak memory with and without gradient checkpointing, bytes per
+round) without reading any pretrained weight (see fs_plugins.estimate).
 `fs-plugins predict --run DIR [--client K] --input Q.jsonl [--output A.jsonl]` answers questions
 with a run's fine-tuned model; `fs-plugins eval --run DIR [--client K] --data FILE` re-evaluates
 it on another dataset; `fs-plugins export --run DIR [--client K] [--merge] --out DIR2` writes it
@@ -51,6 +54,25 @@ def list_methods(modules: list[str]) -> int:
     from fs_plugins.methods.registry import all_methods
     import_extra_modules(modules)
     print('\n'.join(sorted(all_methods())))
+    return 0
+
+
+def estimate(args) -> int:
+    from fs_plugins.config import ConfigError, load_config, read_yaml
+    from fs_plugins.estimate import estimate_run, format_table
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        cfg = load_config(args.cfg, args.opts)
+        estimates = estimate_run(cfg, read_yaml(args.client_cfg) if args.client_cfg else None,
+                                 args.seq_len)
+    except ConfigError as exc:
+        return _config_error(exc)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f'fs-plugins: error: {exc}', file=sys.stderr)
+        return 2
+    print(f'Estimate for {args.cfg} ({cfg.fsplug.method}, {cfg.fsplug.model.dtype} base, '
+          f'quantization {cfg.fsplug.model.quantization}, {cfg.train.optimizer.type}):')
+    print(format_table(estimates))
     return 0
 
 
@@ -125,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     listing = sub.add_parser('methods', help='list the registered methods, one per line')
     listing.add_argument('--import', dest='modules', nargs='*', default=[],
                          help='modules to import first (as fsplug.import_modules)')
+    sizing = sub.add_parser('estimate', help='parameters, peak training memory and bytes per '
+                                             'round of each client, before running')
+    sizing.add_argument('--cfg', required=True, help='YAML config (FederatedScope format)')
+    sizing.add_argument('--client_cfg', default=None, help='per-client overrides (FS format)')
+    sizing.add_argument('--seq-len', type=int, default=None,
+                        help='text tokens per sample (default: llm.tok_len, the longest)')
+    sizing.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
     predict = _trained_parser(sub, 'predict', "answer questions with a run's fine-tuned model")
     predict.add_argument('--input', required=True,
                          help='.jsonl/.json: instruction records, or image + question records')
@@ -142,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == 'methods':
         return list_methods(args.modules)
+    if args.command == 'estimate':
+        return estimate(args)
     if args.command in ('predict', 'eval', 'export'):
         return use_trained(args)
 

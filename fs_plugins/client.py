@@ -18,7 +18,8 @@ from fs_plugins.methods.base import ClientUpdate, Method, Phase, activate_adapte
 from fs_plugins.data.multimodal import reference_answer
 from fs_plugins.metrics.generation_metrics import GENERATION_METRICS, configure_generation_metrics
 from fs_plugins.models.codecs import EncodedDataset
-from fs_plugins.models.builders import BuiltModel
+from fs_plugins.models.builders import DTYPES, BuiltModel
+from fs_plugins.models.precision import forward_context, grad_scaler, place_model
 from fs_plugins.optim import build_optimizer, build_scheduler, schedule_window
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class ClientProcedure:
         self.collate = self.codec.collate
         self.predictions_path = None   # where evaluate() writes generated answers, if set
         self.batch_size = cfg.dataloader.batch_size
+        self.accumulation = int(cfg.grad.grad_accum_count)   # micro-batches per optimiser step
+        self.dtype = DTYPES[cfg.fsplug.model.dtype]
         stream_class = stream.MemoryStream if self.dynamic else BatchStream
         self.stream = stream_class(self.train_data, self.collate, self.batch_size, cfg.seed,
                                    client_id)
@@ -81,21 +84,24 @@ class ClientProcedure:
         return stream.revealed(counts, round_idx, int(self.cfg.federate.total_round_num))
 
     def begin_round(self) -> int:
-        """Prepares a local round; returns its optimiser steps (all phases together)."""
+        """Prepares a local round; returns its micro-batches: optimiser steps (all phases
+        together) × grad.grad_accum_count."""
         if self.dynamic:
             self.stream.set_memory(self.memory_size(self.round_idx))
         self.method.round_idx = self.round_idx
         self.step_phases = expand_phases(self.method.phases(self.steps_per_round(), self.cfg))
         steps = len(self.step_phases)
-        self.model.to(self.device)
+        place_model(self.model, self.device)
         self.model.train()
         self.optimizer = build_optimizer(self._param_groups(), self.cfg.train.optimizer)
         total, start = schedule_window(self.cfg.fsplug.train.lr_schedule, self.round_idx,
                                        int(self.cfg.federate.total_round_num), steps)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train.scheduler, total, start)
+        self.scaler = grad_scaler(self.device, self.dtype)
         self.step_index, self.current_phase = 0, None
+        self.pending: list[tuple[dict, float]] = []   # the open step's micro-batches to come
         self.stats = {'loss_sum': 0.0, 'samples': 0, 'steps': 0, 'skipped': 0}
-        return steps
+        return steps * self.accumulation
 
     def _param_groups(self) -> list[dict]:
         """One optimiser group per learning rate: train.optimizer.lr, and each rate the
@@ -115,41 +121,62 @@ class ClientProcedure:
         self.current_phase = phase
 
     def next_batch(self) -> dict:
-        phase = self.step_phases[min(self.step_index, len(self.step_phases) - 1)]
-        if phase is not self.current_phase:
-            self._enter_phase(phase)
-        return {k: v.to(self.device) for k, v in self.stream.next().items()}
+        """The next micro-batch. The first of an optimiser step draws all of the step's
+        micro-batches, so that each can be weighted by its share of the step's loss terms."""
+        if not self.pending:
+            phase = self.step_phases[min(self.step_index, len(self.step_phases) - 1)]
+            if phase is not self.current_phase:
+                self._enter_phase(phase)
+            self.pending = micro_batch_weights([self.stream.next() for _ in range(self.accumulation)],
+                                               self.codec.loss_units)
+            self.step_finite = False
+        batch, self.micro_weight = self.pending.pop(0)
+        self.method.micro_index = self.accumulation - len(self.pending) - 1
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def compute_loss(self, batch: dict) -> torch.Tensor:
-        return self.method.loss(self.model, batch, self.state)
+        with forward_context(self.device, self.dtype):
+            return self.method.loss(self.model, batch, self.state)
 
     def optimise(self, loss: torch.Tensor) -> bool:
-        """One optimiser step; a non-finite loss skips the step (as FS-LLM does)."""
+        """Backward of one micro-batch, its loss weighted so that the step's gradient is that
+        of all its micro-batches as one batch; after the step's last micro-batch, one optimiser
+        step. A non-finite loss is left out (as FS-LLM skips its batch); a step with no finite
+        micro-batch is skipped whole. Returns whether this micro-batch's loss was finite."""
+        finite = bool(torch.isfinite(loss))
+        if not finite:
+            logger.warning(f"Client {self.client_id}: non-finite loss, micro-batch skipped")
+        if self.method.micro_index == 0 and not self.method.gradient_free:
+            self.optimizer.zero_grad(set_to_none=True)  # frozen phases keep grad None: no update
+        if finite and not self.method.gradient_free:
+            self.scaler.scale(loss * self.micro_weight).backward()
+        self.step_finite |= finite
+        if not self.pending:
+            self._end_step()
+        return finite
+
+    def _end_step(self) -> None:
         self.step_index += 1
-        if not torch.isfinite(loss):
-            logger.warning(f"Client {self.client_id}: non-finite loss, step skipped")
+        self.stats['steps'] += 1
+        if not self.step_finite:
             self.stats['skipped'] += 1
-            return False
-        if self.method.gradient_free:
-            self.method.after_step(self.model, self.state)
-            return True
-        self.optimizer.zero_grad(set_to_none=True)  # frozen phases keep grad None: no update
-        loss.backward()
-        self.method.before_optimizer_step(self.model, self.state)
-        clip = self.cfg.grad.grad_clip
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_([self.params[n] for n in self.trainable_names], clip)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+            return
+        if not self.method.gradient_free:
+            self.scaler.unscale_(self.optimizer)
+            self.method.before_optimizer_step(self.model, self.state)
+            clip = self.cfg.grad.grad_clip
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_([self.params[n] for n in self.trainable_names], clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.scheduler is not None:
+                self.scheduler.step()
         self.method.after_step(self.model, self.state)
-        return True
 
     def record(self, loss_value: float, batch_size: int) -> None:
         if math.isfinite(loss_value):
             self.stats['loss_sum'] += loss_value * batch_size
             self.stats['samples'] += batch_size
-        self.stats['steps'] += 1
 
     def end_round(self) -> ClientUpdate:
         if self.method.inference_adapters:
@@ -196,13 +223,14 @@ class ClientProcedure:
             dataset = dataset.subset(lambda r: stream.visible(r, self.round_idx, total))
         if not dataset:
             return {}
-        self.model.to(self.device)
+        place_model(self.model, self.device)
         was_training = self.model.training
         self.model.eval()
         try:
-            results = self._token_metrics(dataset, split)
-            if self.cfg.fsplug.eval.generate:
-                results.update(self._generation_metrics(dataset, split))
+            with forward_context(self.device, self.dtype):
+                results = self._token_metrics(dataset, split)
+                if self.cfg.fsplug.eval.generate:
+                    results.update(self._generation_metrics(dataset, split))
         finally:
             self.model.train(was_training)
         return results
@@ -219,6 +247,16 @@ class ClientProcedure:
         return generation_metrics(self.model, self.codec, dataset.records, self.cfg.fsplug.eval,
                                   self._eval_batch_size(), split, self.device,
                                   predictions=(path, self.client_id) if path else None)
+
+
+def micro_batch_weights(batches: list[dict], loss_units) -> list[tuple[dict, float]]:
+    """(micro-batch, weight) pairs of one optimiser step: each mean loss weighted by its share
+    of the step's loss terms (`loss_units`), so Σ weight·loss is the mean over all of them."""
+    units = [loss_units(batch) for batch in batches]
+    total = sum(units)
+    if not total:
+        return [(batch, 1.0 / len(batches)) for batch in batches]
+    return [(batch, count / total) for batch, count in zip(batches, units)]
 
 
 def token_metrics(model, dataset, collate, batch_size: int, split: str, device='cpu') -> dict:

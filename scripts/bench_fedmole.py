@@ -48,14 +48,15 @@ MODELS = {'tiny': ('tiny-llama@fsplug_llm', 'tiny_llama'),
           'smollm2': ('smollm2@fsplug_llm', 'smollm2')}
 
 
-def build(model: str, config: str, workdir: str):
-    """(model, trainable names, method) for one configuration, through the plugin's builder."""
-    from fs_plugins.config import load_config
+def build(model: str, config: str, workdir: str, extra: dict | None = None):
+    """(model, trainable names, method, cfg) for one configuration, through the plugin's
+    builder (`extra`: further config overrides, merged on top)."""
+    from fs_plugins.config import load_config, merge
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.models.builders import build_model
     model_type, builder = MODELS[model]
     method_name, hparams = CONFIGS[config]
-    cfg = load_config(overrides={
+    cfg = load_config(overrides=merge({
         'seed': 1, 'outdir': workdir,
         'federate': {'client_num': 1, 'method': 'fsplug'}, 'trainer': {'type': 'fsplug'},
         'data': {'type': 'tiny_tasks@fsplug', 'splitter': 'iid', 'root': workdir},
@@ -64,7 +65,7 @@ def build(model: str, config: str, workdir: str):
         'fsplug': {'method': method_name, method_name: hparams, 'model': {
             'builder': builder, 'lora': {'r': 8, 'alpha': 16, 'dropout': 0.05,
                                          'target_modules': ['q_proj', 'k_proj', 'v_proj',
-                                                            'up_proj']}}}})
+                                                            'up_proj']}}}}, extra or {}))
     method = get_method_class(method_name)(cfg)
     built = build_model(cfg, method)
     return built.model, built.trainable_names, method, cfg

@@ -138,8 +138,9 @@ def test_rela_gradients_mask_noise_and_ema():
         due.append(exact.due())
         exact.end_step()
     assert due == [True, False, True, False, True]       # every f = 2 steps, from step 0
-    for g in grads:
+    for g in grads:          # one due step each
         exact.record(g)
+        exact.end_step()
     mask = exact.mask
     assert int(mask.sum()) == 5
     first = exact.end_round()
@@ -148,8 +149,21 @@ def test_rela_gradients_mask_noise_and_ema():
     torch.testing.assert_close(exact.end_round(), 0.5 * first + 0.5 * torch.arange(10.0)[mask])
     noisy = RelaGradients(2, 0.5, 1.0, 1.0, mask_seed=7, noise_seed=1)
     noisy.record(grads[0])
+    noisy.end_step()
     assert torch.equal(noisy.mask, mask)                       # the same mask on every client
     assert not torch.allclose(noisy.end_round(), grads[0][mask])
+
+
+def test_rela_gradient_of_an_accumulated_step_is_the_whole_batch_gradient():
+    """Micro-batches of one step (grad.grad_accum_count) give one sanitised gradient, their
+    token-weighted mean: the gradient of the step's whole batch."""
+    rela = RelaGradients(every=1, keep_fraction=1.0, noise_std=0.0, ema_ratio=1.0,
+                         mask_seed=7, noise_seed=1)
+    rela.record(torch.full((4,), 1.0), tokens=1)
+    rela.record(torch.full((4,), 4.0), tokens=3)
+    rela.end_step()
+    assert len(rela.round) == 1
+    torch.testing.assert_close(rela.end_round(), torch.full((4,), (1.0 + 12.0) / 4))
 
 
 def test_heterogeneous_run_trains_gates_and_fills_the_global_modules(hetero_run):

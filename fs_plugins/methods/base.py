@@ -93,6 +93,9 @@ class Method:
         self.hparams = self.options(cfg)
         self.client_id: Optional[int] = None   # set by the ClientProcedure that uses it
         self.round_idx = 0   # client side: the federation's round (0-based) being trained
+        # client side: which micro-batch of the optimiser step `loss` sees (0 opens a step;
+        # grad.grad_accum_count micro-batches make one step)
+        self.micro_index = 0
         # server side: {client id: that client's config} where the runner knows them (for
         # methods that build a client's model on the server, e.g. PerAda's distillation)
         self.client_configs: dict = {}

@@ -37,7 +37,7 @@ from fs_plugins.schema import option
 from fs_plugins.seeding import derive_seed
 from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR, MosaicLinear
 from fs_plugins.tuners.mosaic.model import inject_mosaic
-from fs_plugins.tuners.mosaic.rela import RelaGradients, output_layer_gradient
+from fs_plugins.tuners.mosaic.rela import RelaGradients, labelled_tokens, output_layer_gradient
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class FedMosaic(Method):
         if rela.due():
             small = self.small_model(state, batch['input_ids'].device)
             try:
-                rela.record(output_layer_gradient(small, batch))
+                rela.record(output_layer_gradient(small, batch), labelled_tokens(batch))
             except (RuntimeError, ValueError, IndexError) as exc:
                 raise ValueError(f"FedMosaic RELA: W_s (model.type "
                                  f"'{state['small_cfg'].model.type}') cannot read client "

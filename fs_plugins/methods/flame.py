@@ -59,7 +59,7 @@ class ExpertRoutingMethod(Method):
         return {'routing': model.flame_routing}
 
     def loss(self, model, batch, state):
-        state['routing'].start_step(batch.get('attention_mask'))
+        state['routing'].start_step(batch.get('attention_mask'), fresh=self.micro_index == 0)
         return model(**batch).loss
 
     def after_step(self, model, state):

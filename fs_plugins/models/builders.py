@@ -3,6 +3,8 @@ builder, LoRA (or rsLoRA, VeRA) through peft with a seeded initialisation, then 
 `adapt_model`."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import re
@@ -24,6 +26,32 @@ _BUILDERS: dict[str, Callable] = {}
 _FROZEN_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+# Set by `architecture_only`: base models are made from their config alone (no weights read).
+_ARCHITECTURE_ONLY: contextvars.ContextVar = contextvars.ContextVar('architecture_only', default=None)
+
+
+@contextlib.contextmanager
+def architecture_only(device: str = 'meta', layers: dict[str, int] | None = None):
+    """Within this context `load_weights` builds each base model from its config alone, on
+    `device` with random weights ('meta': shapes only, nothing allocated), with the layer counts
+    `layers` ({'text': n, 'vision': m}: the language model's, the vision tower's) instead of the
+    config's when given. Tokenizers and processors still load. `fs-plugins estimate` sizes
+    models this way."""
+    token = _ARCHITECTURE_ONLY.set({'device': device, 'layers': layers or {}})
+    try:
+        yield
+    finally:
+        _ARCHITECTURE_ONLY.reset(token)
+
+
+def _with_layers(config, layers: dict[str, int]):
+    stacks = {'text': getattr(config, 'text_config', None) or config,
+              'vision': getattr(config, 'vision_config', None)}
+    for stack, count in layers.items():
+        if stacks.get(stack) is not None and hasattr(stacks[stack], 'num_hidden_layers'):
+            stacks[stack].num_hidden_layers = int(count)
+    return config
 
 
 def register_builder(name: str):
@@ -87,6 +115,23 @@ def from_pretrained(loader, path: str, cfg, **kwargs):
                                 f"or hub id: {exc}") from exc
 
 
+def load_weights(loader, path: str, cfg):
+    """A base model: `loader.from_pretrained` in fsplug.model.dtype, quantised as
+    fsplug.model.quantization says (or only its architecture inside `architecture_only`)."""
+    from fs_plugins.models.precision import quantization_kwargs
+    dtype = DTYPES[cfg.fsplug.model.dtype]
+    only = _ARCHITECTURE_ONLY.get()
+    if only is None:
+        return from_pretrained(loader, path, cfg, dtype=dtype, **quantization_kwargs(cfg))
+    from transformers import AutoConfig
+    config = from_pretrained(AutoConfig, path, cfg)
+    config = _with_layers(config, only['layers'])
+    # Auto classes have from_config; a concrete model class its own _from_config
+    make = getattr(loader, 'from_config', None) or loader._from_config
+    with torch.device(only['device']):
+        return make(config, dtype=dtype)
+
+
 def text_codec(cfg, tokenizer) -> TextCodec:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -98,9 +143,7 @@ def load_causal_lm(cfg, path: str) -> LoadedBase:
     """AutoModelForCausalLM + AutoTokenizer from a local directory or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = from_pretrained(AutoTokenizer, path, cfg)
-    model = from_pretrained(AutoModelForCausalLM, path, cfg,
-                            dtype=DTYPES[cfg.fsplug.model.dtype])
-    return LoadedBase(model, text_codec(cfg, tokenizer))
+    return LoadedBase(load_weights(AutoModelForCausalLM, path, cfg), text_codec(cfg, tokenizer))
 
 
 @register_builder('tiny_llama')
@@ -264,6 +307,8 @@ def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
 
     Adapter initialisation depends only on cfg.seed, so every runner and process builds the
     same initial adapters for the same architecture."""
+    from fs_plugins.models.precision import check_quantization
+    check_quantization(cfg, method)
     builder_name, path = cfg.fsplug.model.builder, model_path(cfg)
     base = load_base(cfg)
     base_params = {id(p) for p in base.model.parameters()}
@@ -274,7 +319,10 @@ def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
         torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))
         model = method.adapt_model(model, cfg)
         method.after_build(model, base.codec, cfg)
-    if share_frozen and not method.modifies_frozen_weights:
+    if cfg.fsplug.train.gradient_checkpointing:
+        from fs_plugins.models.checkpointing import enable_gradient_checkpointing
+        enable_gradient_checkpointing(model, builder_name)
+    if share_frozen and not method.modifies_frozen_weights and cfg.fsplug.model.quantization == 'none':
         share_frozen_tensors(model, (builder_name, path, cfg.fsplug.model.dtype), base_params)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:

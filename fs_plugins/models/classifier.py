@@ -93,6 +93,9 @@ class ClassificationCodec(Codec):
     def score(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, int]:
         return classification_stats(logits, labels)
 
+    def loss_units(self, batch: dict) -> int:
+        return int(batch['labels'].shape[0])   # the loss is the mean over examples
+
     def encode_prompt(self, record: dict) -> dict:
         raise ConfigError('fsplug.eval.generate = True: a sequence classifier does not generate '
                           'answers; turn it off (its evaluation reports test_acc)')

@@ -65,6 +65,11 @@ class Codec:
         answer tokens' next-token predictions (a classifier's codec scores its classes)."""
         return answer_token_stats(logits, labels)
 
+    def loss_units(self, batch: dict) -> int:
+        """How many terms the training loss of `batch` averages: its answer tokens after the
+        causal shift (gradient accumulation weighs micro-batches by it)."""
+        return int((batch['labels'][:, 1:] != IGNORE_INDEX).sum())
+
     def encode_prompt(self, record: dict) -> dict:
         raise NotImplementedError
 

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from fs_plugins.models.builders import DTYPES, LoadedBase, from_pretrained, register_builder
+from fs_plugins.models.builders import LoadedBase, from_pretrained, load_weights, register_builder
 from fs_plugins.models.cache import ensure_cached_dir
 from fs_plugins.models.codecs import (LLAVA15_PROMPT, LLAVA_IMAGE, QWEN2VL_IMAGE, QWEN2VL_PROMPT,
                                       MultimodalCodec)
@@ -71,8 +71,7 @@ def load_llava(cfg, path: str) -> LoadedBase:
     """LlavaForConditionalGeneration + its processor (e.g. llava-hf/llava-1.5-7b-hf)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
     processor = _with_pad_token(from_pretrained(AutoProcessor, path, cfg))
-    model = from_pretrained(LlavaForConditionalGeneration, path, cfg,
-                            dtype=DTYPES[cfg.fsplug.model.dtype])
+    model = load_weights(LlavaForConditionalGeneration, path, cfg)
     return LoadedBase(model, llava_codec(cfg, processor), LANGUAGE_MODEL, LLAVA_SWITCHES)
 
 
@@ -94,8 +93,7 @@ def load_qwen2_vl(cfg, path: str) -> LoadedBase:
     """Qwen2VLForConditionalGeneration + its processor (e.g. Qwen/Qwen2-VL-7B-Instruct)."""
     from transformers import Qwen2VLForConditionalGeneration
     processor = _with_pad_token(_qwen2vl_processor(path, cfg))
-    model = from_pretrained(Qwen2VLForConditionalGeneration, path, cfg,
-                            dtype=DTYPES[cfg.fsplug.model.dtype])
+    model = load_weights(Qwen2VLForConditionalGeneration, path, cfg)
     return LoadedBase(model, qwen2vl_codec(cfg, processor), LANGUAGE_MODEL, QWEN2VL_SWITCHES)
 
 

@@ -81,6 +81,9 @@ class TrainKeys:
 @dataclass
 class GradKeys:
     grad_clip: float = option(-1.0, 'gradient norm clip (-1: off)', gt=0, special=(-1, -1.0))
+    grad_accum_count: int = option(1, 'micro-batches (of dataloader.batch_size) per optimiser step: '
+                                      'a local step accumulates this many (FS semantics); gradients '
+                                      'equal those of one batch this many times larger', ge=1)
 
 
 @dataclass

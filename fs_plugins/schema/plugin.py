@@ -24,6 +24,11 @@ def _dtypes():
     return list(DTYPES)
 
 
+def _quantizations():
+    from fs_plugins.models.precision import QUANTIZATIONS
+    return list(QUANTIZATIONS)
+
+
 def _adapters():
     from fs_plugins.models.builders import ADAPTERS
     return list(ADAPTERS)
@@ -131,8 +136,13 @@ class LibraryOptions:
 class ModelOptions:
     builder: str = option('causal_lm', 'how model.type is loaded (a registered model builder)',
                           choices=_builders)
-    dtype: str = option('float32', 'dtype of the frozen base weights; adapters stay float32',
+    dtype: str = option('float32', 'dtype of the frozen base weights; adapters stay float32 '
+                                   '(on CUDA the forward runs under autocast to this dtype)',
                         choices=_dtypes)
+    quantization: str = option('none', 'QLoRA-style quantised frozen base through bitsandbytes '
+                                       '(CUDA only; compute in dtype): 8bit (LLM.int8) or 4bit '
+                                       '(NF4, double quantisation); refused by methods that edit '
+                                       'the frozen weights', choices=_quantizations)
     local_files_only: bool = option(False, 'never contact a model hub')
     adapter: str = option('lora', "'lora' (with use_rslora for rsLoRA) or 'vera', on lora.target_modules",
                           choices=_adapters)
@@ -217,6 +227,11 @@ class TrainOptions:
                                      'rounds (local step s of round t is step t·S + s of R·S; the '
                                      "papers' cosine over training), 'round' = restarted every "
                                      'round over its S steps (FS-LLM)', choices=LR_SCHEDULE_SCOPES)
+    gradient_checkpointing: bool = option(False, 'recompute each transformer layer in backward '
+                                                 'instead of keeping its activations (the '
+                                                 'language model, and the vision tower when it '
+                                                 'trains); same loss and gradients, less memory, '
+                                                 'about one more forward of time')
 
 
 @dataclass

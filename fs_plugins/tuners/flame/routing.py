@@ -18,6 +18,8 @@ from functools import partial
 
 import torch
 
+from fs_plugins.models.checkpointing import recomputing
+
 ACTIVATION_READINGS = ('token', 'step')
 
 
@@ -57,9 +59,10 @@ class RoutingTracker:
     """Router top-k of every MoE block, and per block and expert the routed token slots and the
     steps in which it was selected, over the (non-padding) training tokens of one round.
 
-    `start_step(attention_mask)` opens a step, the router hooks record its forwards,
-    `end_step()` commits it (a step that is never committed, e.g. skipped for a non-finite
-    loss, is not counted); forwards outside a step or in eval mode are not counted."""
+    `start_step(attention_mask)` opens a step (`fresh`: its first micro-batch; later ones add
+    to it), the router hooks record its forwards, `end_step()` commits it (a step that is never
+    committed, e.g. skipped for a non-finite loss, is not counted); forwards outside a step, in
+    eval mode or recomputed by gradient checkpointing are not counted."""
 
     def __init__(self, blocks):
         self.blocks = [module for _, module in blocks]
@@ -84,12 +87,13 @@ class RoutingTracker:
         for router in self.routers:
             router.top_k = int(k)
 
-    def start_step(self, attention_mask) -> None:
-        self._step = torch.zeros_like(self.token_counts), torch.zeros_like(self.token_totals)
+    def start_step(self, attention_mask, fresh: bool = True) -> None:
+        if fresh or self._step is None:
+            self._step = torch.zeros_like(self.token_counts), torch.zeros_like(self.token_totals)
         self.token_mask = None if attention_mask is None else attention_mask.reshape(-1).bool()
 
     def _record(self, layer, module, inputs, output) -> None:
-        if self._step is None or not module.training:
+        if self._step is None or not module.training or recomputing():
             return
         indices = output[2]  # (tokens, top_k) selected experts
         if self.token_mask is not None and self.token_mask.numel() == indices.shape[0]:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fs_plugins.models.checkpointing import recomputing
+
 LIBRARY_ATTR = 'library'
 
 
@@ -168,7 +170,7 @@ class RankWiseExperts(_LibraryFactors):
             else:
                 top, idx = _top(logits, q)
                 delta = rank_one_mixture(tokens, top.softmax(-1) * scale, idx, self.A, self.B_t)
-        if self.importance_hook is not None:
+        if self.importance_hook is not None and not recomputing():
             self.importance_hook(delta)
         return self._out(delta, x)
 

@@ -27,6 +27,11 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
+def labelled_tokens(batch: dict) -> int:
+    """The positions whose next token has a label (what output_layer_gradient averages)."""
+    return int((batch['labels'][:, 1:] != IGNORE_INDEX).sum())
+
+
 def output_layer_gradient(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """∂ mean-CE / ∂ W_head of a frozen causal (vision-)language model on one batch, flattened
     (vocab · hidden,) float32; zeros when the batch has no labelled token."""
@@ -49,8 +54,22 @@ def output_layer_gradient(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return (probs.T @ hidden / hidden.shape[0]).flatten()
 
 
+def step_gradient(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The mean gradient over all the tokens of a step's micro-batches (one part: as it is)."""
+    if len(parts) == 1:
+        return parts[0][0]
+    total = sum(tokens for _, tokens in parts)
+    if not total:
+        return parts[0][0]
+    return sum(gradient * (tokens / total) for gradient, tokens in parts)
+
+
 class RelaGradients:
-    """One client's RELA state: the shared mask, the round's sanitised gradients, the EMA."""
+    """One client's RELA state: the shared mask, the round's sanitised gradients, the EMA.
+
+    A due step's gradient is recorded per micro-batch (`record`, with its labelled tokens) and
+    sanitised once at the step's end: with gradient accumulation it is the gradient of the
+    step's whole batch, and the every-f count is in optimiser steps."""
 
     def __init__(self, every: int, keep_fraction: float, noise_std: float, ema_ratio: float,
                  mask_seed: int, noise_seed: int):
@@ -61,23 +80,33 @@ class RelaGradients:
         self.round: list[torch.Tensor] = []
         self.ema: torch.Tensor | None = None
         self.steps = 0
+        self.step_parts: list[tuple[torch.Tensor, int]] = []   # (gradient, tokens) this step
 
     def due(self) -> bool:
         """Whether this step's batch feeds RELA (steps 0, f, 2f, ... of the client's run)."""
         return self.steps % self.every == 0
 
-    def record(self, gradient: torch.Tensor) -> None:
-        gradient = gradient.to('cpu', torch.float32)
+    def record(self, gradient: torch.Tensor, tokens: int = 1) -> None:
+        """One micro-batch's mean gradient over its `tokens` labelled tokens."""
+        self.step_parts.append((gradient.to('cpu', torch.float32), int(tokens)))
+
+    def end_step(self) -> None:
+        if self.step_parts:
+            self._sanitise(step_gradient(self.step_parts))
+            self.step_parts = []
+        self.steps += 1
+
+    def _sanitise(self, gradient: torch.Tensor) -> None:
         if self.mask is None:
             self.mask = shared_mask(gradient.numel(), self.keep_fraction, self.mask_seed)
         self.round.append(sanitise_gradient(gradient, self.mask, self.noise_std, self.generator))
 
-    def end_step(self) -> None:
-        self.steps += 1
-
     def end_round(self) -> torch.Tensor | None:
         """ĝ ← (1 − a)·ĝ + a·mean(this round's g̃) (Algorithm 1); the EMA, or None before any
         gradient was taken."""
+        if self.step_parts:   # a step still open (its end_step not called)
+            self._sanitise(step_gradient(self.step_parts))
+            self.step_parts = []
         if self.round:
             self.ema = ema_update(self.ema, torch.stack(self.round).mean(dim=0), self.ema_ratio)
             self.round = []

@@ -1,0 +1,255 @@
+"""`fs-plugins estimate`: per client, before a run, the parameters (frozen / trainable / sent
+per round), an estimate of peak training memory with and without gradient checkpointing, and
+the bytes up and down per round. No pretrained weight is read.
+
+- Parameters, weights, adapters, gradients, optimiser state and bytes sent come from the whole
+  model built on the meta device (shapes only) by the run's own builder, adapter and method.
+- Activations are what autograd keeps for backward, counted (saved-tensor hooks) in forwards
+  of the same model at reduced depth with random weights on the CPU: 1 and 2 language-model
+  layers (and vision-tower layers) at the real width, 1 and 2 samples of `seq_len` tokens (plus
+  the image's tokens), scaled bilinearly to the real depth and the configured batch. Peak =
+  weights + adapters + gradients + optimiser state + activations + twice the float32 logits:
+  when backward starts, the logits the forward returned and the gradients of the log-softmax
+  and of the logits exist beside the saved log-softmax. With checkpointing, activations are
+  the layer inputs plus one layer recomputed.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+import torch
+
+from fs_plugins.errors import ConfigError
+
+GIB = 1024 ** 3
+# optimiser state bytes per trainable float32 parameter, by train.optimizer.type
+OPTIMIZER_STATE_BYTES = {'Adam': 8, 'AdamW': 8, 'Adamax': 8, 'NAdam': 8, 'RAdam': 8,
+                         'Adagrad': 4, 'RMSprop': 4, 'Adadelta': 8}
+
+
+@dataclass
+class Estimate:
+    client: int
+    frozen_params: int
+    trainable_params: int
+    sent_params: int
+    weights_gib: float
+    adapters_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    activations_gib: float | None
+    activations_checkpointed_gib: float | None
+    peak_gib: float | None
+    peak_checkpointed_gib: float | None
+    mb_up: float
+    mb_down: float
+    batch: int
+    seq_len: int
+    note: str = ''
+
+
+def optimizer_state_bytes(optimizer_cfg) -> int:
+    kind = optimizer_cfg.type
+    if kind == 'SGD':
+        return 4 if float(optimizer_cfg.get('momentum', 0) or 0) > 0 else 0
+    return OPTIMIZER_STATE_BYTES.get(kind, 8)
+
+
+def frozen_weight_bytes(model: torch.nn.Module, frozen: dict, quantization: str) -> float:
+    """Bytes of the frozen tensors; with a quantised base, the linear layers' weights inside the
+    layer stacks at bitsandbytes' size (the output layer and embeddings stay in dtype)."""
+    from fs_plugins.models.precision import QUANTIZED_BYTES
+    quantized = set()
+    if quantization != 'none':
+        head = model.get_output_embeddings() if hasattr(model, 'get_output_embeddings') else None
+        quantized = {f'{name}.weight' for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and m is not head}
+    return sum(p.numel() * (QUANTIZED_BYTES[quantization] if n in quantized else p.element_size())
+               for n, p in frozen.items())
+
+
+def _tensor_bytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# ---------------------------------------------------------------- activations
+def saved_activation_bytes(model: torch.nn.Module, batch: dict) -> tuple[int, int]:
+    """(total, largest) bytes of the distinct tensors autograd keeps for backward during one
+    training forward of `model` on `batch` (parameters and buffers left out)."""
+    weights = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = model(**batch)
+    sizes = list(saved.values()) + [output.loss.numel() * output.loss.element_size()]
+    return sum(sizes), max(sizes)
+
+
+def probe_batch(model: torch.nn.Module, seq_len: int, generator: torch.Generator) -> dict:
+    """One random training sample for `model`: `seq_len` text tokens, all labelled, after the
+    image's tokens for a LLaVA-style model (config.image_token_id / vision_config)."""
+    config = model.config if hasattr(model, 'config') else None
+    vocab = getattr(getattr(config, 'text_config', config), 'vocab_size', None)
+    if vocab is None:
+        raise ConfigError(f'estimate: cannot make a probe batch for {type(model).__name__} '
+                          f'(no config.vocab_size)')
+    text = torch.randint(0, min(int(vocab), 1000), (1, seq_len), generator=generator)
+    batch = {'input_ids': text, 'labels': text.clone()}
+    vision = getattr(config, 'vision_config', None)
+    image_token = getattr(config, 'image_token_id', getattr(config, 'image_token_index', None))
+    if vision is not None:
+        if image_token is None or not hasattr(vision, 'image_size'):
+            raise ConfigError(f'estimate: activation probe supports LLaVA-style vision models '
+                              f'only, not {type(model).__name__}')
+        patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
+        if getattr(config, 'vision_feature_select_strategy', 'default') == 'full':
+            patches += 1
+        image = torch.full((1, patches), int(image_token))
+        batch['input_ids'] = torch.cat([image, text], dim=1)
+        batch['labels'] = torch.cat([torch.full_like(image, -100), text], dim=1)
+        dtype = next(model.parameters()).dtype
+        batch['pixel_values'] = torch.randn(1, 3, int(vision.image_size), int(vision.image_size),
+                                            generator=generator).to(dtype)
+    batch['attention_mask'] = torch.ones_like(batch['input_ids'])
+    return batch
+
+
+def _depths(config) -> dict[str, int]:
+    """Layer counts of the real model: the language model's and, if any, the vision tower's."""
+    text = getattr(config, 'text_config', config)
+    depths = {'text': int(getattr(text, 'num_hidden_layers', 0) or 0)}
+    vision = getattr(config, 'vision_config', None)
+    if vision is not None and getattr(vision, 'num_hidden_layers', None):
+        depths['vision'] = int(vision.num_hidden_layers)
+    return depths
+
+
+def _probe(cfg, method_cls, layers: dict, samples: int, seq_len: int,
+           checkpointing: bool) -> torch.Tensor:
+    """(activation bytes, logits bytes, sent bytes, sent parameters) of `samples` samples
+    through the model at depth `layers`."""
+    from fs_plugins.models.builders import architecture_only, build_model
+    probe_cfg = copy.deepcopy(cfg)
+    probe_cfg.fsplug.train.gradient_checkpointing = checkpointing
+    probe_cfg.fsplug.model.quantization = 'none'   # activations do not depend on it
+    with architecture_only(device='cpu', layers=layers):
+        method = method_cls(probe_cfg)
+        built = build_model(probe_cfg, method, share_frozen=False)
+    generator = torch.Generator().manual_seed(0)
+    batch = probe_batch(built.model, seq_len, generator)
+    batch = {k: torch.cat([v] * samples) for k, v in batch.items()}
+    saved = saved_activation_bytes(built.model, batch)[0]
+    config = getattr(built.model.config, 'text_config', None) or built.model.config
+    logits = batch['input_ids'].numel() * int(getattr(config, 'vocab_size', 0) or 0) * 4
+    sent = method.shared_tensors(built.model, built.trainable_names)
+    return torch.tensor([saved, logits, _tensor_bytes(sent), sum(t.numel() for t in sent.values())],
+                        dtype=torch.float64)
+
+
+def scaled_probe(cfg, method_cls, depths: dict, batch: int, seq_len: int,
+                 checkpointing: bool) -> torch.Tensor:
+    """_probe's figures at the real depths and batch, bilinear in each stack's depth L and the
+    batch b (some saved tensors grow with L·b, e.g. a layer's activations, some with L only,
+    e.g. the merged expert weights of peft's target_parameters): measured at (L, b) = (1, 1),
+    (2, 1), (1, 2), (2, 2) per stack. With checkpointing, one layer's plain activations are
+    added: they exist again while that layer is recomputed in backward."""
+    def probe(layers, samples, plain=False):
+        return _probe(cfg, method_cls, layers, samples, seq_len, checkpointing and not plain)
+    one = {stack: 1 for stack in depths}
+    base, two_samples = probe(one, 1), probe(one, 2)
+    per_sample = two_samples - base
+    total = base + per_sample * (batch - 1)
+    for stack, depth in depths.items():
+        deeper = {**one, stack: 2}
+        per_layer = probe(deeper, 1) - base
+        cross = probe(deeper, 2) - two_samples - per_layer
+        total += (per_layer + cross * (batch - 1)) * (depth - 1)
+    if checkpointing:
+        layer = {**one, 'text': 2}
+        total[0] += (probe(layer, batch, True) - probe(one, batch, True))[0]
+    return total
+
+
+# ---------------------------------------------------------------- per client
+def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.models.builders import architecture_only, build_model
+    method_cls = get_method_class(cfg.fsplug.method)
+    method = method_cls(cfg)
+    if cfg.fsplug.model.quantization != 'none' and method.modifies_frozen_weights:
+        raise ConfigError(f"fsplug.model.quantization = '{cfg.fsplug.model.quantization}': "
+                          f"method '{method.name}' edits the frozen base weights")
+    sized = copy.deepcopy(cfg)   # sized here without CUDA or bitsandbytes
+    sized.fsplug.model.quantization = 'none'
+    with architecture_only(device='meta'):
+        built = build_model(sized, method, share_frozen=False)
+    model = built.model
+    params = dict(model.named_parameters())
+    trainable = {n: params[n] for n in built.trainable_names}
+    frozen = {n: p for n, p in params.items() if n not in trainable}
+    trainable_count = sum(p.numel() for p in trainable.values())
+    weights = frozen_weight_bytes(model, frozen, cfg.fsplug.model.quantization)
+    adapters = 4 * trainable_count
+    optimizer = optimizer_state_bytes(cfg.train.optimizer) * trainable_count
+    static = weights + 2 * adapters + optimizer
+    batch, seq = int(cfg.dataloader.batch_size), int(seq_len or cfg.llm.tok_len)
+    acts, sent, note = (None,) * 4, (4.0 * trainable_count, trainable_count), ''
+    try:
+        depths = _depths(model.config)
+        plain = scaled_probe(cfg, method_cls, depths, batch, seq, False)
+        checkpointed = scaled_probe(cfg, method_cls, depths, batch, seq, True)
+        transient = 2 * plain[1]
+        acts = (plain[0] / GIB, checkpointed[0] / GIB, (static + plain[0] + transient) / GIB,
+                (static + checkpointed[0] + transient) / GIB)
+        sent = (float(plain[2]), int(plain[3]))
+    except (ConfigError, AttributeError, NotImplementedError, RuntimeError, ValueError) as exc:
+        note = f'no activation probe (sent = trainable): {str(exc)[:200]}'
+    return Estimate(client, sum(p.numel() for p in frozen.values()), trainable_count, sent[1],
+                    weights / GIB, adapters / GIB, adapters / GIB, optimizer / GIB,
+                    *[None if a is None else float(a) for a in acts],
+                    mb_up=sent[0] / 1e6, mb_down=sent[0] / 1e6, batch=batch, seq_len=seq,
+                    note=note)
+
+
+def estimate_run(cfg, client_cfgs=None, seq_len: int | None = None) -> list[Estimate]:
+    """One estimate per client (clients with the same effective config are probed once)."""
+    from fs_plugins.config import client_config, client_overrides
+    overrides = client_overrides(client_cfgs, cfg)
+    clients = range(1, max(int(cfg.federate.client_num), 1) + 1)
+    done: dict[str, Estimate] = {}
+    estimates = []
+    for cid in clients:
+        ccfg = client_config(cfg, overrides.get(cid))
+        key = repr(overrides.get(cid))
+        if key not in done:
+            done[key] = estimate_client(ccfg, cid, seq_len)
+        estimates.append(Estimate(**{**asdict(done[key]), 'client': cid}))
+    return estimates
+
+
+def format_table(estimates: list[Estimate]) -> str:
+    def gib(value):
+        return '–' if value is None else f'{value:.2f}'
+    header = ('| client | frozen params | trainable | sent / round | weights GiB | adapters + grads '
+              '+ optimiser GiB | activations GiB (checkpointed) | peak GiB (checkpointed) | '
+              'MB up / down |')
+    rows = [header, '|' + '---|' * 9]
+    for e in estimates:
+        rows.append(f'| {e.client} | {e.frozen_params:,} | {e.trainable_params:,} | '
+                    f'{e.sent_params:,} | {e.weights_gib:.2f} | '
+                    f'{e.adapters_gib + e.gradients_gib + e.optimizer_gib:.3f} | '
+                    f'{gib(e.activations_gib)} ({gib(e.activations_checkpointed_gib)}) | '
+                    f'{gib(e.peak_gib)} ({gib(e.peak_checkpointed_gib)}) | '
+                    f'{e.mb_up:.1f} / {e.mb_down:.1f} |')
+    notes = [f'client {e.client}: {e.note}' for e in estimates if e.note]
+    first = estimates[0]
+    return '\n'.join(rows + [f'batch {first.batch} × {first.seq_len} text tokens per sample '
+                             f'(plus image tokens); down = the aggregate of what is sent'] + notes)
