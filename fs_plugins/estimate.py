@@ -35,8 +35,7 @@ class Estimate:
     trainable_params: int
     sent_params: int
     weights_gib: float
-    adapters_gib: float
-    gradients_gib: float
+    adapters_gib: float   # float32 trainable tensors; their gradients take as much again
     optimizer_gib: float
     activations_gib: float | None
     activations_checkpointed_gib: float | None
@@ -154,27 +153,41 @@ def _probe(cfg, method_cls, layers: dict, samples: int, seq_len: int,
                         dtype=torch.float64)
 
 
-def scaled_probe(cfg, method_cls, depths: dict, batch: int, seq_len: int,
-                 checkpointing: bool) -> torch.Tensor:
-    """_probe's figures at the real depths and batch, bilinear in each stack's depth L and the
-    batch b (some saved tensors grow with L·b, e.g. a layer's activations, some with L only,
-    e.g. the merged expert weights of peft's target_parameters): measured at (L, b) = (1, 1),
-    (2, 1), (1, 2), (2, 2) per stack. With checkpointing, one layer's plain activations are
-    added: they exist again while that layer is recomputed in backward."""
-    def probe(layers, samples, plain=False):
-        return _probe(cfg, method_cls, layers, samples, seq_len, checkpointing and not plain)
+def memoised_probe(cfg, method_cls, seq_len: int):
+    """_probe for this config as probe(layers, samples, checkpointing), each distinct probe
+    built and run once (the plain and the checkpointed estimate share some)."""
+    done: dict[tuple, torch.Tensor] = {}
+
+    def probe(layers: dict, samples: int, checkpointing: bool) -> torch.Tensor:
+        key = (tuple(sorted(layers.items())), samples, checkpointing)
+        if key not in done:
+            done[key] = _probe(cfg, method_cls, layers, samples, seq_len, checkpointing)
+        return done[key]
+    return probe
+
+
+def _layer_at_batch(probe, one: dict, stack: str, batch: int, checkpointing: bool):
+    """One more `stack` layer's figures at the batch, bilinear from probes at 1 and 2 samples."""
+    deeper = {**one, stack: 2}
+    per_layer = probe(deeper, 1, checkpointing) - probe(one, 1, checkpointing)
+    cross = probe(deeper, 2, checkpointing) - probe(one, 2, checkpointing) - per_layer
+    return per_layer + cross * (batch - 1)
+
+
+def scaled_probe(probe, depths: dict, batch: int, checkpointing: bool) -> torch.Tensor:
+    """probe's figures (see memoised_probe) at the real depths and batch, bilinear in each
+    stack's depth L and the batch b (some saved tensors grow with L·b, e.g. a layer's
+    activations, some with L only, e.g. the merged expert weights of peft's target_parameters):
+    measured at (L, b) = (1, 1), (2, 1), (1, 2), (2, 2) per stack. With checkpointing, one
+    language-model layer's plain activations are added: they exist again while that layer is
+    recomputed in backward."""
     one = {stack: 1 for stack in depths}
-    base, two_samples = probe(one, 1), probe(one, 2)
-    per_sample = two_samples - base
-    total = base + per_sample * (batch - 1)
+    base = probe(one, 1, checkpointing)
+    total = base + (probe(one, 2, checkpointing) - base) * (batch - 1)
     for stack, depth in depths.items():
-        deeper = {**one, stack: 2}
-        per_layer = probe(deeper, 1) - base
-        cross = probe(deeper, 2) - two_samples - per_layer
-        total += (per_layer + cross * (batch - 1)) * (depth - 1)
+        total += _layer_at_batch(probe, one, stack, batch, checkpointing) * (depth - 1)
     if checkpointing:
-        layer = {**one, 'text': 2}
-        total[0] += (probe(layer, batch, True) - probe(one, batch, True))[0]
+        total[0] += _layer_at_batch(probe, one, 'text', batch, False)[0]
     return total
 
 
@@ -204,8 +217,9 @@ def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
     acts, sent, note = (None,) * 4, (4.0 * trainable_count, trainable_count), ''
     try:
         depths = _depths(model.config)
-        plain = scaled_probe(cfg, method_cls, depths, batch, seq, False)
-        checkpointed = scaled_probe(cfg, method_cls, depths, batch, seq, True)
+        probe = memoised_probe(cfg, method_cls, seq)
+        plain = scaled_probe(probe, depths, batch, False)
+        checkpointed = scaled_probe(probe, depths, batch, True)
         transient = 2 * plain[1]
         acts = (plain[0] / GIB, checkpointed[0] / GIB, (static + plain[0] + transient) / GIB,
                 (static + checkpointed[0] + transient) / GIB)
@@ -213,7 +227,7 @@ def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
     except (ConfigError, AttributeError, NotImplementedError, RuntimeError, ValueError) as exc:
         note = f'no activation probe (sent = trainable): {str(exc)[:200]}'
     return Estimate(client, sum(p.numel() for p in frozen.values()), trainable_count, sent[1],
-                    weights / GIB, adapters / GIB, adapters / GIB, optimizer / GIB,
+                    weights / GIB, adapters / GIB, optimizer / GIB,
                     *[None if a is None else float(a) for a in acts],
                     mb_up=sent[0] / 1e6, mb_down=sent[0] / 1e6, batch=batch, seq_len=seq,
                     note=note)
@@ -245,7 +259,7 @@ def format_table(estimates: list[Estimate]) -> str:
     for e in estimates:
         rows.append(f'| {e.client} | {e.frozen_params:,} | {e.trainable_params:,} | '
                     f'{e.sent_params:,} | {e.weights_gib:.2f} | '
-                    f'{e.adapters_gib + e.gradients_gib + e.optimizer_gib:.3f} | '
+                    f'{2 * e.adapters_gib + e.optimizer_gib:.3f} | '
                     f'{gib(e.activations_gib)} ({gib(e.activations_checkpointed_gib)}) | '
                     f'{gib(e.peak_gib)} ({gib(e.peak_checkpointed_gib)}) | '
                     f'{e.mb_up:.1f} / {e.mb_down:.1f} |')

@@ -98,8 +98,9 @@ def random_batch(vocab: int, batch: int, seq_len: int) -> dict:
     return {'input_ids': ids, 'attention_mask': torch.ones_like(ids), 'labels': ids.clone()}
 
 
-def make_trainer(model_name, config, workdir, batch_size, seq_len, steps_per_round):
-    model, names, method, cfg = build(model_name, config, workdir)
+def make_trainer(model_name, config, workdir, batch_size, seq_len, steps_per_round,
+                 extra: dict | None = None):
+    model, names, method, cfg = build(model_name, config, workdir, extra)
     batch = random_batch(model.config.vocab_size, batch_size, seq_len)
     return Trainer(model, names, method, cfg, batch, steps_per_round)
 
@@ -128,15 +129,15 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f'{field} not in /proc/self/status')
 
 
-def measure_memory(args, workdir) -> dict:
-    """Runs inside the per-configuration subprocess."""
+def measure_memory(args, workdir, extra: dict | None = None) -> dict:
+    """Runs inside the per-configuration subprocess (`extra`: config overrides for build)."""
     import peft  # noqa: F401  (the runtime the model build imports, loaded before the baseline)
     from transformers import LlamaForCausalLM  # noqa: F401
     from fs_plugins.methods.registry import all_methods
     all_methods()
     runtime = _status_kb('VmRSS')
     trainer = make_trainer(args.model, args.config, workdir, args.batch, args.seq_len,
-                           args.round_steps)
+                           args.round_steps, extra)
     with torch.no_grad():   # fault in lazily mapped weights: they belong to 'built'
         for param in trainer.model.parameters():
             param.sum()

@@ -62,11 +62,10 @@ def measured_mib(args, model: str, config: str, checkpointing: bool) -> float:
 def measure(args) -> None:
     """Inside the subprocess: bench_fedmole's measurement with the checkpointing switch."""
     model, config, checkpointing = args.measure
-    original = bench_fedmole.build
-    bench_fedmole.build = lambda m, c, w: original(m, c, w, overrides(bool(int(checkpointing))))
     args.model, args.config, args.round_steps = model, config, args.steps
     with tempfile.TemporaryDirectory() as workdir:
-        print(json.dumps(bench_fedmole.measure_memory(args, workdir)))
+        memory = bench_fedmole.measure_memory(args, workdir, overrides(bool(int(checkpointing))))
+        print(json.dumps(memory))
 
 
 def estimated_mib(args, model: str, config: str, checkpointing: bool, workdir: str) -> dict:

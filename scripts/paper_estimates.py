@@ -7,7 +7,7 @@ models' tokenizer and processor (the estimate does not tokenise), then estimates
 paper YAMLs with model.type pointing there. With the hub reachable, run
 `fs-plugins estimate --cfg <yaml>` directly instead.
 
-    python scripts/paper_estimates.py [--out DIR] [--seq-len N ...]
+    python scripts/paper_estimates.py [--out DIR] [--seq-len N ...]   (each run at its own length, plus these)
 """
 from __future__ import annotations
 
@@ -22,18 +22,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LLAVA15_7B = {'text_config': dict(hidden_size=4096, intermediate_size=11008,
                                   num_hidden_layers=32, num_attention_heads=32,
-                                  num_key_value_heads=32, vocab_size=32064,
+                                  num_key_value_heads=32, head_dim=128, vocab_size=32064,
                                   max_position_embeddings=4096, rms_norm_eps=1e-5),
               'vision_config': dict(hidden_size=1024, intermediate_size=4096,
                                     num_hidden_layers=24, num_attention_heads=16,
                                     image_size=336, patch_size=14, projection_dim=768),
               'vision_feature_layer': -2, 'vision_feature_select_strategy': 'default'}
 
-# (paper YAML, config folder, further overrides): Fed-MoLE and its FedAvg-LoRA row (Table 5's
-# memory), FLAME on OLMoE
-RUNS = [('yamls/fedmole/fedvqa_llava15_7b.yaml', 'llava-1.5-7b', []),
-        ('yamls/fedmole/fedvqa_llava15_7b.yaml', 'llava-1.5-7b', ['fsplug.method', 'fedavg']),
-        ('yamls/flame/alpagasus_flame.yaml', 'olmoe-1b-7b', [])]
+# (paper YAML, config folder, text tokens per sample, further overrides): Fed-MoLE and its
+# FedAvg-LoRA row (Table 5's memory) at 64 text tokens (a VQA question and short answer; the
+# YAML's llm.tok_len 1024 is only the truncation limit) besides the 576 image tokens; FLAME on
+# OLMoE at its YAML's 512 tokens
+RUNS = [('yamls/fedmole/fedvqa_llava15_7b.yaml', 'llava-1.5-7b', 64, []),
+        ('yamls/fedmole/fedvqa_llava15_7b.yaml', 'llava-1.5-7b', 64, ['fsplug.method', 'fedavg']),
+        ('yamls/flame/alpagasus_flame.yaml', 'olmoe-1b-7b', 512, [])]
 
 
 def write_llava(out: str) -> str:
@@ -74,14 +76,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--out', default=os.path.join(REPO, 'exp', 'paper_configs'))
     parser.add_argument('--seq-len', type=int, nargs='*', default=[],
-                        help='text tokens per sample besides llm.tok_len')
+                        help='further text-token counts per sample to estimate')
     args = parser.parse_args()
     folders = {'llava-1.5-7b': write_llava(args.out), 'olmoe-1b-7b': write_olmoe(args.out)}
-    for yaml_path, folder, extra in RUNS:
+    for yaml_path, folder, seq_len, extra in RUNS:
         builder = 'llava' if folder == 'llava-1.5-7b' else 'olmoe'
-        for seq in [None] + args.seq_len:
+        for seq in [seq_len] + args.seq_len:
             cmd = [sys.executable, '-m', 'fs_plugins.cli', 'estimate', '--cfg', yaml_path,
-                   *(['--seq-len', str(seq)] if seq else []),
+                   '--seq-len', str(seq),
                    'model.type', f'{folders[folder]}@fsplug_llm', 'fsplug.model.builder', builder,
                    'fsplug.model.local_files_only', 'True', 'data.root', args.out, *extra]
             print(f'$ {" ".join(cmd[1:])}', flush=True)
