@@ -143,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument('--cfg', required=True, help='YAML config (FederatedScope format)')
     run.add_argument('--client_cfg', default=None, help='per-client overrides (FS format)')
     run.add_argument('--runner', choices=['auto', 'fs', 'embedded'], default='auto')
+    run.add_argument('--resume', default=None, metavar='DIR',
+                     help="continue the run whose results directory is DIR from its checkpoint "
+                          "(fsplug.checkpoint.resume_from)")
+    run.add_argument('--overwrite', action='store_true',
+                     help="replace the results of an earlier run in the results directory "
+                          "(fsplug.overwrite)")
     run.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
     listing = sub.add_parser('methods', help='list the registered methods, one per line')
     listing.add_argument('--import', dest='modules', nargs='*', default=[],
@@ -177,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return use_trained(args)
 
     from fs_plugins.config import ConfigError
+    from fs_plugins.checkpoint import CheckpointError
+    args.opts = run_switches(args) + list(args.opts)
     try:
         if args.runner == 'embedded':
             run_embedded_cli(args.cfg, args.client_cfg, args.opts, '--runner embedded')
@@ -188,10 +196,16 @@ def main(argv: list[str] | None = None) -> int:
             run_embedded_cli(args.cfg, args.client_cfg, args.opts, 'FederatedScope not installed')
     except ConfigError as exc:
         return _config_error(exc)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, CheckpointError) as exc:
         print(f'fs-plugins: error: {exc}', file=sys.stderr)
         return 2
     return 0
+
+
+def run_switches(args) -> list[str]:
+    """--resume / --overwrite as the config keys they stand for."""
+    opts = ['fsplug.checkpoint.resume_from', args.resume] if args.resume else []
+    return opts + (['fsplug.overwrite', 'True'] if args.overwrite else [])
 
 
 if __name__ == '__main__':

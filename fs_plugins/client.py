@@ -21,6 +21,7 @@ from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.models.builders import DTYPES, BuiltModel
 from fs_plugins.models.precision import forward_context, grad_scaler, place_model
 from fs_plugins.optim import build_optimizer, build_scheduler, schedule_window
+from fs_plugins.seeding import use_deterministic_algorithms
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class ClientProcedure:
     def __init__(self, client_id: int, cfg, method: Method, built: BuiltModel,
                  records: dict, device='cpu'):
         self.client_id, self.cfg, self.method = client_id, cfg, method
+        use_deterministic_algorithms(cfg)
         method.client_id = client_id
         self.model, self.codec = built.model, built.codec
         self.trainable_names = list(built.trainable_names)

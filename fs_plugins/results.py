@@ -28,20 +28,50 @@ def payload_bytes(tensors: dict) -> int:
 
 
 class ResultsLog:
-    def __init__(self, out_dir: str, run_info: dict):
+    def __init__(self, out_dir: str, run_info: dict, overwrite: bool = False,
+                 resume_rows: int | None = None):
+        """A directory that already holds results is refused, unless `overwrite` (they are
+        replaced) or `resume_rows` (the first that many rows are kept and appended to; later
+        ones go to results.superseded.jsonl)."""
         self.out_dir = out_dir
         os.makedirs(out_dir, exist_ok=True)
-        self.rows: list[dict] = []
         self.jsonl_path = os.path.join(out_dir, 'results.jsonl')
         self.csv_path = os.path.join(out_dir, 'results.csv')
         self.summary_path = os.path.join(out_dir, 'summary.md')
-        self._jsonl = open(self.jsonl_path, 'w', encoding='utf-8')
+        self.rows: list[dict] = []
+        if resume_rows is not None:
+            self.rows = self._resumed_rows(resume_rows)
+        elif not overwrite and os.path.isfile(self.jsonl_path) and os.path.getsize(self.jsonl_path):
+            from fs_plugins.errors import ConfigError
+            raise ConfigError([f"fsplug.results_dir: {out_dir} already holds a run's results "
+                               f"(results.jsonl); choose another directory, replace them with "
+                               f"--overwrite (fsplug.overwrite True) or continue that run with "
+                               f"--resume {out_dir} (fsplug.checkpoint.resume_from)"])
+        self._jsonl = open(self.jsonl_path, 'a' if resume_rows is not None else 'w', encoding='utf-8')
         with open(os.path.join(out_dir, 'run_info.json'), 'w', encoding='utf-8') as handle:
             json.dump(run_info, handle, indent=2, default=str)
         self.client_names: dict[int, str] = dict(run_info.get('client_names', {}))
         # the method's `client_groups(client_ids) -> {label: [client ids]}` (e.g. FLAME's
         # budget levels): the summary gets one row per group, the mean over its clients
         self.client_groups: Optional[Callable[[list[int]], dict[str, list[int]]]] = None
+
+    def _resumed_rows(self, keep: int) -> list[dict]:
+        """The rows up to a checkpoint; the interrupted run's later rows are moved (appended)
+        to results.superseded.jsonl, and results.jsonl is rewritten with the kept ones."""
+        with open(self.jsonl_path, encoding='utf-8') as handle:
+            lines = [line for line in handle if line.strip()]
+        if len(lines) < keep:
+            raise ValueError(f'{self.jsonl_path} has {len(lines)} rows, fewer than the '
+                             f'{keep} its checkpoint counted')
+        if lines[keep:]:
+            with open(os.path.join(self.out_dir, 'results.superseded.jsonl'), 'a',
+                      encoding='utf-8') as handle:
+                handle.writelines(lines[keep:])
+        tmp = self.jsonl_path + '.tmp'
+        with open(tmp, 'w', encoding='utf-8') as handle:
+            handle.writelines(lines[:keep])
+        os.replace(tmp, self.jsonl_path)
+        return [json.loads(line) for line in lines[:keep]]
 
     def log(self, row: dict) -> None:
         row = {k: (float(v) if isinstance(v, float) else v) for k, v in row.items()}
@@ -53,6 +83,9 @@ class ResultsLog:
                   bytes_down: int, metrics: dict) -> None:
         self.log({'round': round_idx, 'client': client_id, 'kind': 'train', 'samples': samples,
                   'bytes_up': bytes_up, 'bytes_down': bytes_down, **metrics})
+
+    def log_rejection(self, round_idx: int, client_id: int, reason: str) -> None:
+        self.log({'round': round_idx, 'client': client_id, 'kind': 'rejected', 'reason': reason})
 
     def log_eval(self, round_idx: int, client_id: int, metrics: dict) -> None:
         self.log({'round': round_idx, 'client': client_id, 'kind': 'eval', **metrics})
@@ -79,7 +112,7 @@ class ResultsLog:
             if row['kind'] == 'train':
                 for key in SUMMARY_COLUMNS:
                     totals[cid][key] += row.get(key, 0)
-            else:
+            elif row['kind'] == 'eval':
                 last_eval[cid] = dict(row)
                 for key in row:
                     if key.endswith(AUC_OF):

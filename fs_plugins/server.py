@@ -2,12 +2,18 @@
 client sampling, per-client content, aggregation through the method, results logging."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+import torch
 
 from fs_plugins.aggregation.average import client_weights
 from fs_plugins.methods.base import ClientUpdate, Method
 from fs_plugins.results import ResultsLog, payload_bytes
-from fs_plugins.seeding import derive_seed
+from fs_plugins.seeding import derive_seed, use_deterministic_algorithms
+from fs_plugins.validation import signature_of, update_problem
+
+logger = logging.getLogger(__name__)
 
 
 def sample_clients(seed: int, round_idx: int, client_ids, k: int) -> list[int]:
@@ -24,6 +30,7 @@ class ServerProcedure:
                  layout=None):
         """layout: the global model's `artifacts.ModelLayout` (for saving the global state)."""
         self.cfg, self.method, self.results, self.layout = cfg, method, results, layout
+        use_deterministic_algorithms(cfg)
         results.client_groups = method.client_groups
         self.state = method.init_server_state(initial_shared)
         self.bytes_down: dict[int, int] = {}
@@ -31,8 +38,11 @@ class ServerProcedure:
         # the run's own architecture's
         self.per_architecture = bool(cfg.fsplug.aggregation.per_architecture)
         self.own_signature = tensor_signature(initial_shared)
+        self.own_signature_dict = signature_of(initial_shared)
         self.other_states: dict[tuple, dict] = {}
         self.client_signature: dict[int, tuple] = {}
+        self.rejections: list[dict] = []   # {'round', 'client', 'reason'} of rejected updates
+        self._expected: dict[int, dict | None] = {}
 
     def sample(self, round_idx: int, client_ids) -> list[int]:
         return sample_clients(self.cfg.seed, round_idx, client_ids,
@@ -45,15 +55,20 @@ class ServerProcedure:
         return content
 
     def aggregate(self, round_idx: int, updates: list[ClientUpdate]) -> None:
+        """Aggregates the round's valid updates (invalid ones are logged and left out)."""
         updates = sorted(updates, key=lambda u: u.client_id)
-        weights = client_weights(self.cfg.fsplug.aggregation.weights,
-                                 [u.dataset_size for u in updates], [u.num_samples for u in updates])
-        for update, weight in zip(updates, weights):
-            update.weight = weight
         for update in updates:
             sent = payload_bytes(update.shared) + payload_bytes(update.extra)
             self.results.log_train(round_idx, update.client_id, update.num_samples, sent,
                                    self.bytes_down.pop(update.client_id, 0), update.metrics)
+        updates = self.accepted(round_idx, updates)
+        if not updates:
+            logger.warning(f'fsplug: round {round_idx}: no valid update, the state is unchanged')
+            return
+        weights = client_weights(self.cfg.fsplug.aggregation.weights,
+                                 [u.dataset_size for u in updates], [u.num_samples for u in updates])
+        for update, weight in zip(updates, weights):
+            update.weight = weight
         if not self.per_architecture:
             self.state = self.method.aggregate(self.state, updates)
             return
@@ -69,6 +84,45 @@ class ServerProcedure:
                 state = self.other_states.get(signature) or self.method.init_server_state(
                     {n: t.clone() for n, t in members[0].shared.items()})
                 self.other_states[signature] = self.method.aggregate(state, members)
+
+    def accepted(self, round_idx: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """The updates that pass fs_plugins.validation; each rejection is logged (warning and
+        a 'rejected' results row naming the client and the reason)."""
+        max_norm = float(self.cfg.fsplug.validation.max_update_norm)
+        kept = []
+        for update in updates:
+            expected = self.expected_shapes(update.client_id)
+            reason = update_problem(update.shared, update.extra, expected, max_norm)
+            if reason is None:
+                if expected is None:   # trusted from now on: later updates must match it
+                    self._expected[update.client_id] = signature_of(update.shared)
+                kept.append(update)
+                continue
+            logger.warning(f'fsplug: round {round_idx}: update of client {update.client_id} '
+                           f'rejected: {reason}')
+            self.rejections.append({'round': round_idx, 'client': update.client_id,
+                                    'reason': reason})
+            self.results.log_rejection(round_idx, update.client_id, reason)
+        return kept
+
+    def expected_shapes(self, client_id: int) -> dict | None:
+        """The shared tensors client `client_id` sends: the run's own when its config is the
+        run's, else those of its own model (built on the meta device from its config); None
+        when that cannot be known here (the first valid update then sets them)."""
+        if client_id not in self._expected:
+            self._expected[client_id] = self._shapes_from_config(client_id)
+        return self._expected[client_id]
+
+    def _shapes_from_config(self, client_id: int) -> dict | None:
+        from fs_plugins.config import to_plain
+        client_cfg = self.method.client_configs.get(client_id)
+        if not self.own_signature_dict:   # the server was given no model to compare with
+            return None
+        if client_cfg is None:
+            return None if self.per_architecture else dict(self.own_signature_dict)
+        if to_plain(client_cfg) == to_plain(self.cfg):
+            return dict(self.own_signature_dict)
+        return client_shared_shapes(client_cfg, type(self.method))
 
     def _state_of(self, client_id: int) -> dict:
         """The server state whose content client `client_id` receives."""
@@ -99,6 +153,31 @@ class ServerProcedure:
         from fs_plugins.artifacts import global_dir, save_global_state
         return save_global_state(global_dir(run_dir), round_idx, self.cfg, self.method,
                                  self.state['global'], self.layout)
+
+
+def client_shared_shapes(client_cfg, method_cls) -> dict | None:
+    """Names and shapes of what a client with `client_cfg` shares, from its model built on the
+    meta device (no weight read); None when it cannot be built so."""
+    from fs_plugins.models.builders import architecture_only, build_model
+    try:
+        method = method_cls(client_cfg)
+        with architecture_only(device='meta'):
+            built = build_model(client_cfg, method, share_frozen=False)
+        with _StayOnMeta():
+            return signature_of(method.shared_tensors(built.model, built.trainable_names))
+    except Exception as exc:   # noqa: BLE001 -- any builder: fall back to the first update
+        logger.info(f'fsplug: shapes of a client model not known before its update ({exc})')
+        return None
+
+
+class _StayOnMeta(torch.overrides.TorchFunctionMode):
+    """`Tensor.to(...)` of a meta tensor returns it unchanged (methods copy what they share to
+    the CPU; on the meta device only the shapes are wanted)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to and args and getattr(args[0], 'is_meta', False):
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def tensor_signature(tensors: dict) -> tuple:

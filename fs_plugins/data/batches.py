@@ -33,6 +33,18 @@ class BatchStream:
         self.pos += len(idx)
         return self.collate([self.dataset[int(i)] for i in idx])
 
+    def state_dict(self) -> dict:
+        return {'epoch': self.epoch, 'pos': self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues where `state` was taken (an epoch's order follows from its number)."""
+        epoch = int(state['epoch'])
+        self.epoch, self.order = -1, np.empty(0, dtype=int)
+        if epoch >= 0:
+            self.epoch = epoch - 1
+            self._next_epoch()
+        self.pos = int(state['pos'])
+
 
 def local_steps(train_cfg, num_train: int, batch_size: int) -> int:
     """Optimiser steps per round, with FS's meaning of train.local_update_steps."""

@@ -95,6 +95,12 @@ class MemoryStream:
         idx = rng.choice(self.size, size=min(self.batch_size, self.size), replace=False)
         return self.collate([self.dataset[int(i)] for i in sorted(idx)])
 
+    def state_dict(self) -> dict:
+        return {'size': self.size, 'draws': self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.size, self.draws = int(state['size']), int(state['draws'])
+
 
 def last_and_auc(values: list[float]) -> tuple[float, float]:
     """(A_last, A_AUC) of one accuracy-per-evaluation curve (evaluations at equal intervals)."""

@@ -69,6 +69,17 @@ class GlobalState(torch.nn.Module):
                            'evaluation runs on the clients (federate.make_global_eval: False)')
 
 
+def refuse_checkpoint_keys(cfg) -> None:
+    """Whole-federation checkpoints are written and resumed by the embedded runner only so far;
+    under FS the keys would silently do nothing, so they are refused."""
+    from fs_plugins.errors import ConfigError
+    if int(cfg.fsplug.checkpoint.freq) > 0 or cfg.fsplug.checkpoint.resume_from:
+        raise ConfigError(['fsplug.checkpoint.freq / resume_from: whole-federation checkpoints '
+                           'run in the embedded runner only (fs-plugins run --runner embedded); '
+                           "under FederatedScope use FS's federate.save_to / restore_from for "
+                           'the global state'])
+
+
 def _is_distributed(cfg) -> bool:
     return cfg.federate.mode.lower() == 'distributed'
 
@@ -82,6 +93,7 @@ class PluginServer(Server):
                  total_round_num=10, device='cpu', strategy=None, unseen_clients_id=None,
                  **kwargs):
         share_fs_logging()
+        refuse_checkpoint_keys(config)
         method = get_method_class(config.fsplug.method)(config)
         # FS has checked these entries and merges them itself on the clients' side
         method.client_configs = {cid: Cfg.wrap(merge(to_plain(config), override))
@@ -91,7 +103,8 @@ class PluginServer(Server):
         super().__init__(ID, state, config, data, model, client_num, total_round_num, device,
                          strategy, unseen_clients_id, **kwargs)
         results = ResultsLog(results_dir(config, outdir_is_final=True),
-                             run_info(config, 'federatedscope', CLIENT_NAMES))
+                             run_info(config, 'federatedscope', CLIENT_NAMES),
+                             overwrite=bool(config.fsplug.overwrite))
         # built after FS's __init__, which may have restored the global state from a checkpoint
         self.procedure = ServerProcedure(config, method, model.state_dict(), results, layout)
         self._finish_sent = False

@@ -232,12 +232,34 @@ class TrainOptions:
                                                  'language model, and the vision tower when it '
                                                  'trains); same loss and gradients, less memory, '
                                                  'about one more forward of time')
+    deterministic: bool = option(True, "torch's deterministic kernels (warn-only where an op has "
+                                       'none): the same YAML and seed give bit-identical '
+                                       'results; off may be faster on GPUs')
 
 
 @dataclass
 class SaveOptions:
     freq: int = option(0, 'write the models (adapters/global, adapters/client_<id>) every this many '
                           'rounds besides the end of the run (0 = end only)', ge=0)
+
+
+@dataclass
+class CheckpointOptions:
+    freq: int = option(0, 'write every party\'s whole state (server method state, each client\'s '
+                          'local tensors, counters and batch position, random generators) into '
+                          '<results dir>/checkpoint/ every this many rounds and at the end (0 = '
+                          'never)', ge=0)
+    resume_from: str = option('', 'results directory of a run with a checkpoint: rebuild it from '
+                                  'this config, load the checkpoint and continue from the next '
+                                  'round, appending to that directory (CLI: --resume DIR)')
+
+
+@dataclass
+class ValidationOptions:
+    max_update_norm: float = option(1.0e5, 'a client update whose shared tensors have a larger '
+                                           'L2 norm (all together) is rejected (0 = no bound); '
+                                           'non-finite values, missing, unexpected or misshapen '
+                                           'tensors are always rejected', ge=0)
 
 
 @dataclass
@@ -254,3 +276,10 @@ class PluginOptions:
     train: TrainOptions = section(TrainOptions, 'local training beyond FS\'s train.* keys')
     aggregation: AggregationOptions = section(AggregationOptions, 'server-side averaging')
     save: SaveOptions = section(SaveOptions, 'fine-tuned models written into the results directory')
+    checkpoint: CheckpointOptions = section(CheckpointOptions, 'checkpoint and resume of the whole '
+                                                               'federation')
+    validation: ValidationOptions = section(ValidationOptions, 'server-side checks of every '
+                                                               'client update')
+    overwrite: bool = option(False, 'replace the results of an earlier run in the same results '
+                                    'directory (otherwise such a directory is refused; CLI: '
+                                    '--overwrite)')

@@ -7,6 +7,8 @@ import logging
 from tqdm import tqdm
 
 from fs_plugins.artifacts import save_models
+from fs_plugins.checkpoint import (latest_round, resume_federation, save_federation,
+                                   server_checkpoint_info, should_checkpoint)
 from fs_plugins.client import EVAL_SPLITS, ClientProcedure
 from fs_plugins.config import client_config, client_overrides, resolve_derived
 from fs_plugins.data.federated import build_federated_records
@@ -35,13 +37,20 @@ def build_clients(cfg, method_cls, records, overrides, device) -> dict[int, Clie
 
 def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
     """Runs the whole course for `cfg` (a loaded Cfg); returns the closed results log."""
+    resume_from = str(cfg.fsplug.checkpoint.resume_from)
+    if resume_from:
+        latest_round(resume_from)   # a missing checkpoint is named before the data is read
     records = build_federated_records(cfg)
     cfg.federate.client_num = records.client_num
     resolve_derived(cfg)
     overrides = client_overrides(client_cfgs, cfg)
     method_cls = get_method_class(cfg.fsplug.method)
     method = method_cls(cfg)
-    results = ResultsLog(results_dir(cfg), run_info(cfg, 'embedded', records.client_names, overrides))
+    checkpoint = server_checkpoint_info(cfg, resume_from) if resume_from else None
+    results = ResultsLog(resume_from or results_dir(cfg),
+                         run_info(cfg, 'embedded', records.client_names, overrides),
+                         overwrite=bool(cfg.fsplug.overwrite),
+                         resume_rows=checkpoint['rows'] if checkpoint else None)
     logger.info(f'fs-plugins: results -> {results.out_dir}')
     try:
         shared, layout = initial_global(cfg, method)
@@ -50,8 +59,13 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
         method.client_configs = {cid: client.cfg for cid, client in clients.items()}
         for cid, client in clients.items():
             client.predictions_path = predictions_path(results.out_dir, cid)
+        start = 0
+        if checkpoint:
+            start = resume_federation(resume_from, server, clients.values()) + 1
+            logger.info(f'fs-plugins: resumed from the checkpoint of round {start - 1} in {resume_from}')
         total = cfg.federate.total_round_num
-        progress = tqdm(range(total), desc=f'{cfg.fsplug.method} rounds', unit='round')
+        progress = tqdm(range(start, total), desc=f'{cfg.fsplug.method} rounds', unit='round',
+                        initial=start, total=total)
         for round_idx in progress:
             logger.info(f'Starting round #{round_idx}')
             updates = []
@@ -72,6 +86,9 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
                         results.log_eval(round_idx, cid, metrics)
             if save:
                 save_models(results.out_dir, round_idx, server, clients.values())
+            if should_checkpoint(cfg, round_idx + 1):
+                save_federation(results.out_dir, round_idx, server, clients.values(),
+                                len(results.rows))
     finally:
         summary = results.close()
     print(f'\nPer-client results ({cfg.fsplug.method}, embedded runner, seed {cfg.seed}):\n'

@@ -111,6 +111,17 @@ class RoutingTracker:
             self.steps += 1
         self._step = self.token_mask = None
 
+    def state_dict(self) -> dict:
+        """The counts so far and the routers' top-k (checkpoints)."""
+        return {'step_counts': self.step_counts, 'token_counts': self.token_counts,
+                'token_totals': self.token_totals, 'steps': self.steps, 'top_k': self.top_k}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ('step_counts', 'token_counts', 'token_totals'):
+            getattr(self, name).copy_(state[name])
+        self.steps = int(state['steps'])
+        self.set_top_k(state['top_k'])
+
     def take_round(self) -> RoundActivation:
         """This round's counts; resets them for the next round."""
         round_ = RoundActivation(

@@ -101,6 +101,17 @@ class RelaGradients:
             self.mask = shared_mask(gradient.numel(), self.keep_fraction, self.mask_seed)
         self.round.append(sanitise_gradient(gradient, self.mask, self.noise_std, self.generator))
 
+    def state_dict(self) -> dict:
+        """Everything that changes during the run (checkpoints); the options come from config."""
+        return {'generator': self.generator.get_state(), 'mask': self.mask, 'round': self.round,
+                'ema': self.ema, 'steps': self.steps, 'step_parts': self.step_parts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state['generator'])
+        self.mask, self.round, self.ema = state['mask'], list(state['round']), state['ema']
+        self.steps = int(state['steps'])
+        self.step_parts = [(gradient, int(tokens)) for gradient, tokens in state['step_parts']]
+
     def end_round(self) -> torch.Tensor | None:
         """ĝ ← (1 − a)·ĝ + a·mean(this round's g̃) (Algorithm 1); the EMA, or None before any
         gradient was taken."""

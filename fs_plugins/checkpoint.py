@@ -1,0 +1,347 @@
+"""Whole-federation checkpoints: every party's state, so that a run resumed from round t ends
+with the same numbers as the run that was never stopped.
+
+`fsplug.checkpoint.freq: N` writes, at the end of every N-th round (after its evaluation),
+one file per party into `<results dir>/checkpoint/`:
+
+- `server.round<t>.safetensors`: the server's method state (global tensors, optimiser moments, RELA's
+  EMA, SmartFed's routers, ...), the per-architecture states, the random generators' states
+  and the results rows written so far;
+- `client_<id>.round<t>.safetensors`: that client's trained tensors (routed experts, routers, local
+  adapters, rescalers, gates), the method's `artifact_extra` (e.g. FedEx's folded base
+  weights), its method state (counters, EMA gradients, SCAFFOLD controls, FLAME's routing
+  counts, ...) and its batch stream's position.
+
+Each file is written beside its target and renamed into place; the server's file goes last
+and marks round t complete, and only then are the files of earlier rounds removed, so a crash
+at any point leaves the previous complete checkpoint. Tensors go in the safetensors body; everything else is a JSON skeleton in
+the file's metadata (no pickle: a checkpoint cannot run code when it is read). An object in a
+state that is neither data nor config must have `state_dict()` / `load_state_dict()`; it is
+restored in place, so references to it (e.g. `model.flame_routing`) stay valid.
+
+`fsplug.checkpoint.resume_from: <results dir>` (CLI: `fs-plugins run --resume DIR`) rebuilds
+the run from its config, loads the checkpoint into it and continues from the next round,
+appending to that directory's results; rows the interrupted run wrote after its checkpoint are
+moved to `results.superseded.jsonl`, never deleted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import tempfile
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fs_plugins.errors import ConfigError
+
+CHECKPOINT_DIR = 'checkpoint'
+FORMAT = 1
+META_KEY = 'fsplug_checkpoint'
+INFO_KEY = 'fsplug_info'
+# config keys that may differ between a run and its resumption
+RESUME_FREE_KEYS = ('fsplug.checkpoint', 'fsplug.overwrite', 'federate.total_round_num',
+                    'outdir', 'expname', 'fsplug.results_dir', 'eval.freq', 'fsplug.save')
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or resumed: the message names the file and key."""
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, CHECKPOINT_DIR)
+
+
+def party_path(run_dir: str, party: str, round_idx: int) -> str:
+    return os.path.join(checkpoint_dir(run_dir), f'{party}.round{int(round_idx)}.safetensors')
+
+
+def checkpointed_rounds(run_dir: str, party: str = 'server') -> list[int]:
+    """Rounds that `party` has a checkpoint file of, in order."""
+    pattern = re.compile(re.escape(party) + r'\.round(\d+)\.safetensors$')
+    folder = checkpoint_dir(run_dir)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+
+
+def latest_round(run_dir: str) -> int:
+    """The round of the newest complete checkpoint: the server's file is written last."""
+    rounds = checkpointed_rounds(run_dir)
+    if not rounds:
+        raise CheckpointError(f'checkpoint: {checkpoint_dir(run_dir)} has no server checkpoint '
+                              f'(server.round<N>.safetensors); was fsplug.checkpoint.freq > 0?')
+    return rounds[-1]
+
+
+def prune(run_dir: str, keep_round: int) -> None:
+    """Removes every party's files of other rounds once `keep_round` is complete."""
+    folder = checkpoint_dir(run_dir)
+    for name in os.listdir(folder):
+        match = re.search(r'\.round(\d+)\.safetensors$', name)
+        if match and int(match.group(1)) != keep_round:
+            os.remove(os.path.join(folder, name))
+
+
+def client_party(client_id: int) -> str:
+    return f'client_{int(client_id)}'
+
+
+def should_checkpoint(cfg, rounds_done: int) -> bool:
+    freq = int(cfg.fsplug.checkpoint.freq)
+    return freq > 0 and (rounds_done % freq == 0 or rounds_done == int(cfg.federate.total_round_num))
+
+
+# ------------------------------------------------------------------ pack / unpack
+def _is_static(value) -> bool:
+    """Config objects: rebuilt from the run's config on resume, never saved."""
+    from fs_plugins.config import Cfg
+    try:
+        from yacs.config import CfgNode
+    except ImportError:   # pragma: no cover
+        CfgNode = Cfg
+    return isinstance(value, (Cfg, CfgNode))
+
+
+def pack(value, tensors: dict, where: str):
+    """A JSON-able skeleton of `value`; its tensors go into `tensors` under keys derived from
+    `where` (the path of the value, used in error messages too)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if torch.is_tensor(value):
+        key = f'{where}#{len(tensors)}'
+        tensors[key] = value.detach().cpu().clone().contiguous()
+        return {'__tensor__': key}
+    if isinstance(value, np.ndarray):
+        return {'__ndarray__': pack(torch.from_numpy(np.ascontiguousarray(value)), tensors, where)}
+    if isinstance(value, np.generic):
+        return value.item()
+    if _is_static(value):
+        return {'__static__': type(value).__name__}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {'__dict__': {k: pack(v, tensors, f'{where}/{k}') for k, v in value.items()}}
+        return {'__items__': [[pack(k, tensors, f'{where}/key'), pack(v, tensors, f'{where}/{k}')]
+                              for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        items = [pack(v, tensors, f'{where}/{i}') for i, v in enumerate(value)]
+        return {'__tuple__': items} if isinstance(value, tuple) else items
+    if hasattr(value, 'state_dict') and hasattr(value, 'load_state_dict'):
+        return {'__state__': pack(value.state_dict(), tensors, where)}
+    raise CheckpointError(f"checkpoint: '{where}' holds a {type(value).__name__}, which is "
+                          f"neither data nor has state_dict()/load_state_dict()")
+
+
+def unpack(skeleton, tensors: dict, target=None):
+    """The value `pack` saved; objects saved through their state_dict are loaded into `target`
+    (the freshly built run's object at the same place) and config objects are `target`."""
+    if isinstance(skeleton, list):
+        targets = target if isinstance(target, (list, tuple)) else []
+        return [unpack(s, tensors, targets[i] if i < len(targets) else None)
+                for i, s in enumerate(skeleton)]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    (kind, body), = skeleton.items()
+    if kind == '__tensor__':
+        return tensors[body]
+    if kind == '__ndarray__':
+        return unpack(body, tensors).numpy()
+    if kind == '__tuple__':
+        return tuple(unpack(s, tensors, None) for s in body)
+    if kind == '__dict__':
+        targets = target if isinstance(target, dict) else {}
+        return {k: unpack(v, tensors, targets.get(k)) for k, v in body.items()}
+    if kind == '__items__':
+        pairs = [(unpack(k, tensors), v) for k, v in body]
+        targets = target if isinstance(target, dict) else {}
+        return {_hashable(k): unpack(v, tensors, targets.get(_hashable(k))) for k, v in pairs}
+    if kind == '__static__':
+        return target
+    if kind == '__state__':
+        if target is None:
+            raise CheckpointError('checkpoint: an object saved through its state_dict has no '
+                                  'counterpart in the rebuilt run')
+        target.load_state_dict(unpack(body, tensors))
+        return target
+    raise CheckpointError(f'checkpoint: unknown entry {kind!r}')
+
+
+def _hashable(value):
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, tuple):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+# ------------------------------------------------------------------ files
+def write_party(path: str, payload: dict, info: dict | None = None) -> int:
+    """Writes one party's checkpoint atomically; returns its size in bytes. `info`: plain JSON
+    (round, rows, config) readable without the rest (`read_info`)."""
+    tensors: dict = {}
+    skeleton = pack(payload, tensors, os.path.basename(path).split('.')[0])
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.tmp-', dir=folder)
+    os.close(handle)
+    try:
+        save_file(tensors, tmp, metadata={META_KEY: json.dumps({'format': FORMAT,
+                                                                'skeleton': skeleton}),
+                                          INFO_KEY: json.dumps(info or {})})
+        with open(tmp, 'rb') as stream:
+            os.fsync(stream.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return os.path.getsize(path)
+
+
+def read_info(path: str) -> dict:
+    """The plain `info` a party's checkpoint was written with."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f'checkpoint: {path} does not exist')
+    try:
+        with safe_open(path, framework='pt') as handle:
+            return json.loads((handle.metadata() or {}).get(INFO_KEY, '{}'))
+    except (OSError, ValueError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f'checkpoint: {path} is not readable ({exc})') from None
+
+
+def read_party(path: str, target: dict | None = None) -> dict:
+    """A party's checkpoint; `target`: the rebuilt run's objects at the same places."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f'checkpoint: {path} does not exist')
+    try:
+        with safe_open(path, framework='pt') as handle:
+            meta = json.loads((handle.metadata() or {}).get(META_KEY, 'null'))
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    except (OSError, ValueError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f'checkpoint: {path} is not readable ({exc})') from None
+    if not isinstance(meta, dict) or meta.get('format') != FORMAT:
+        raise CheckpointError(f'checkpoint: {path} is not an fs-plugins checkpoint '
+                              f'(format {FORMAT})')
+    return unpack(meta['skeleton'], tensors, target or {})
+
+
+# ------------------------------------------------------------------ random generators
+def rng_state() -> dict:
+    state = {'torch': torch.get_rng_state(), 'numpy': _numpy_state(),
+             'python': _python_state()}
+    if torch.cuda.is_available():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state['torch'])
+    kind, keys, pos, has_gauss, gauss = state['numpy']
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss = state['python']
+    random.setstate((version, tuple(internal), gauss))
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def _numpy_state():
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
+
+
+def _python_state():
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+# ------------------------------------------------------------------ parties
+def client_payload(client) -> dict:
+    """What a ClientProcedure needs to continue as if never stopped."""
+    params = {n: client.params[n] for n in client.trainable_names}
+    return {'client_id': client.client_id, 'round': client.round_idx,
+            'params': params, 'artifact_extra': client.method.artifact_extra(client.model, client.state),
+            'state': client.state, 'stream': client.stream}
+
+
+def restore_client(client, payload: dict) -> None:
+    with torch.no_grad():
+        for name, tensor in payload['params'].items():
+            if name not in client.params or client.params[name].shape != tensor.shape:
+                raise CheckpointError(
+                    f'checkpoint of client {client.client_id}: parameter {name} '
+                    f'{tuple(tensor.shape)} does not fit the rebuilt model')
+            client.params[name].copy_(tensor)
+    if payload['artifact_extra']:
+        client.method.restore_artifact(client.model, payload['artifact_extra'])
+    client.state.clear()
+    client.state.update(payload['state'])
+    client.round_idx = payload['round']
+
+
+def server_payload(server) -> dict:
+    return {'state': server.state, 'other_states': server.other_states,
+            'client_signature': server.client_signature, 'rejections': server.rejections,
+            'rng': rng_state()}
+
+
+def restore_server(server, payload: dict) -> None:
+    server.state = payload['state']
+    server.other_states = payload['other_states']
+    server.client_signature = payload['client_signature']
+    server.rejections = payload['rejections']
+    set_rng_state(payload['rng'])
+
+
+# ------------------------------------------------------------------ one process
+def save_federation(run_dir: str, round_idx: int, server, clients, rows: int) -> int:
+    """Every party's checkpoint after round `round_idx` (the embedded runner); bytes written."""
+    from fs_plugins.config import to_plain
+    written = sum(write_party(party_path(run_dir, client_party(c.client_id), round_idx),
+                              client_payload(c), {'round': round_idx}) for c in clients)
+    info = {'round': round_idx, 'rows': rows, 'config': to_plain(server.cfg)}
+    written += write_party(party_path(run_dir, 'server', round_idx), server_payload(server), info)
+    prune(run_dir, round_idx)
+    return written
+
+
+def server_checkpoint_info(cfg, run_dir: str) -> dict:
+    """The newest server checkpoint's round, results rows and config, checked against `cfg`."""
+    info = read_info(party_path(run_dir, 'server', latest_round(run_dir)))
+    check_resumable(cfg, info.get('config', {}))
+    return info
+
+
+def resume_federation(run_dir: str, server, clients) -> int:
+    """Loads every party's newest complete checkpoint into the rebuilt run; returns its round."""
+    round_idx = latest_round(run_dir)
+    for client in clients:
+        path = party_path(run_dir, client_party(client.client_id), round_idx)
+        restore_client(client, read_party(path, client_payload(client)))
+    restore_server(server, read_party(party_path(run_dir, 'server', round_idx),
+                                      server_payload(server)))
+    return round_idx
+
+
+def check_resumable(cfg, saved_config: dict) -> None:
+    """The resumed run's config must equal the checkpointed run's, except RESUME_FREE_KEYS."""
+    from fs_plugins.config import to_plain
+    now, then = _flat(to_plain(cfg)), _flat(saved_config)
+    differ = sorted(k for k in set(now) | set(then)
+                    if now.get(k) != then.get(k) and not k.startswith(RESUME_FREE_KEYS))
+    if differ:
+        shown = ', '.join(f'{k} ({then.get(k)!r} -> {now.get(k)!r})' for k in differ[:8])
+        raise ConfigError([f'fsplug.checkpoint.resume_from: the config differs from the '
+                           f'checkpointed run in {shown}'])
+
+
+def _flat(tree: dict, prefix: str = '') -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f'{prefix}{key}.'))
+        else:
+            out[f'{prefix}{key}'] = value
+    return out

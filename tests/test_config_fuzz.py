@@ -1,0 +1,38 @@
+"""Config fuzzing (issue 14): broken variants of every shipped YAML, generated from the schema
+(fs_plugins.schema.fuzz), each end in a clean error — exit code 2, no traceback — whose message
+names the culprit key, value or path."""
+import glob
+import os
+
+import pytest
+import yaml
+
+from fs_plugins.schema.fuzz import is_client_config, mutations, run_mutation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shipped_yamls() -> list[str]:
+    paths = sorted(glob.glob(os.path.join(REPO, 'yamls', '**', '*.yaml'), recursive=True))
+    return [os.path.relpath(p, REPO) for p in paths if not is_client_config(_read(p))]
+
+
+def _read(path):
+    with open(path, encoding='utf-8') as handle:
+        return yaml.safe_load(handle) or {}
+
+
+@pytest.mark.parametrize('yaml_path', shipped_yamls())
+def test_every_broken_variant_of_a_shipped_yaml_ends_in_a_clean_error(tmp_path, yaml_path,
+                                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)   # relative data roots and outdirs land in the test's folder
+    plain = _read(os.path.join(REPO, yaml_path))
+    cases = mutations(plain, yaml_path)
+    assert {m.kind for m in cases} >= {'unknown key', 'wrong type', 'missing file'}
+    failures = []
+    for index, mutation in enumerate(cases):
+        clean, printed = run_mutation(plain, mutation, str(tmp_path / f'variant_{index}.yaml'))
+        if not clean:
+            failures.append(f'{mutation.kind} {mutation.key} = {mutation.value!r} '
+                            f'(must name {mutation.culprit!r}):\n{printed[-1500:]}')
+    assert not failures, '\n\n'.join(failures)
