@@ -42,6 +42,9 @@ class ServerProcedure:
         self.other_states: dict[tuple, dict] = {}
         self.client_signature: dict[int, tuple] = {}
         self.rejections: list[dict] = []   # {'round', 'client', 'reason'} of rejected updates
+        # whether method.client_configs holds every client's override (not so for a
+        # distributed server, which may not have the clients' --client_cfg)
+        self.all_client_configs_known = True
         self._expected: dict[int, dict | None] = {}
 
     def sample(self, round_idx: int, client_ids) -> list[int]:
@@ -118,8 +121,9 @@ class ServerProcedure:
         client_cfg = self.method.client_configs.get(client_id)
         if not self.own_signature_dict:   # the server was given no model to compare with
             return None
-        if client_cfg is None:
-            return None if self.per_architecture else dict(self.own_signature_dict)
+        if client_cfg is None:   # no override: the run's model, if every override is known
+            known = self.all_client_configs_known and not self.per_architecture
+            return dict(self.own_signature_dict) if known else None
         if to_plain(client_cfg) == to_plain(self.cfg):
             return dict(self.own_signature_dict)
         return client_shared_shapes(client_cfg, type(self.method))

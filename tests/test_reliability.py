@@ -298,3 +298,25 @@ def test_a_round_without_a_valid_update_keeps_the_state():
     assert torch.equal(server.state['global']['w'], torch.ones(2))
     assert server.rejections == [{'round': 0, 'client': 1,
                                   'reason': 'shared w (2,) has non-finite values (NaN/Inf)'}]
+
+
+def test_a_server_without_the_clients_configs_trusts_each_clients_first_valid_update():
+    """A distributed server may lack the clients' --client_cfg: a client's first valid update
+    fixes the shapes it must keep sending."""
+    from fs_plugins.server import ServerProcedure
+    from fs_plugins.results import ResultsLog
+    cfg = load_config(tiny_yaml_of('fedavg'), [])
+
+    class Log(ResultsLog):
+        def __init__(self):
+            self.rows = []
+
+        def log(self, row):
+            self.rows.append(row)
+    server = ServerProcedure(cfg, all_methods()['fedavg'](cfg), {'w': torch.ones(2)}, Log())
+    server.all_client_configs_known = False
+    bigger = ClientUpdate(2, 4, {'w': torch.ones(3)}, {}, {})
+    assert server.accepted(0, [bigger]) == [bigger]
+    shrunk = ClientUpdate(2, 4, {'w': torch.ones(2)}, {}, {})
+    assert server.accepted(1, [shrunk]) == []
+    assert 'shared w has shape (2,), expected (3,)' in server.rejections[0]['reason']

@@ -107,6 +107,7 @@ class PluginServer(Server):
                              overwrite=bool(config.fsplug.overwrite))
         # built after FS's __init__, which may have restored the global state from a checkpoint
         self.procedure = ServerProcedure(config, method, model.state_dict(), results, layout)
+        self.procedure.all_client_configs_known = not _is_distributed(config)
         self._finish_sent = False
 
     def broadcast_model_para(self, msg_type='model_para', sample_client_num=-1,
