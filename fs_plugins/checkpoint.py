@@ -201,27 +201,34 @@ def write_party(path: str, payload: dict, info: dict | None = None) -> int:
     return os.path.getsize(path)
 
 
-def read_info(path: str) -> dict:
-    """The plain `info` a party's checkpoint was written with."""
+def _read(path: str, tensors: bool) -> tuple[dict, dict]:
+    """(metadata, tensors if asked) of a checkpoint file; unreadable ones are named."""
     if not os.path.isfile(path):
         raise CheckpointError(f'checkpoint: {path} does not exist')
     try:
         with safe_open(path, framework='pt') as handle:
-            return json.loads((handle.metadata() or {}).get(INFO_KEY, '{}'))
-    except (OSError, ValueError, json.JSONDecodeError) as exc:
+            metadata = handle.metadata() or {}
+            return metadata, ({k: handle.get_tensor(k) for k in handle.keys()} if tensors else {})
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f'checkpoint: {path} is not readable ({exc})') from None
+
+
+def _json(path: str, metadata: dict, key: str, default: str):
+    try:
+        return json.loads(metadata.get(key, default))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f'checkpoint: {path} is not readable ({exc})') from None
+
+
+def read_info(path: str) -> dict:
+    """The plain `info` a party's checkpoint was written with."""
+    return _json(path, _read(path, tensors=False)[0], INFO_KEY, '{}')
 
 
 def read_party(path: str, target: dict | None = None) -> dict:
     """A party's checkpoint; `target`: the rebuilt run's objects at the same places."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f'checkpoint: {path} does not exist')
-    try:
-        with safe_open(path, framework='pt') as handle:
-            meta = json.loads((handle.metadata() or {}).get(META_KEY, 'null'))
-            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-    except (OSError, ValueError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f'checkpoint: {path} is not readable ({exc})') from None
+    metadata, tensors = _read(path, tensors=True)
+    meta = _json(path, metadata, META_KEY, 'null')
     if not isinstance(meta, dict) or meta.get('format') != FORMAT:
         raise CheckpointError(f'checkpoint: {path} is not an fs-plugins checkpoint '
                               f'(format {FORMAT})')
@@ -314,15 +321,13 @@ def server_checkpoint_info(cfg, run_dir: str) -> dict:
     return info
 
 
-def resume_federation(run_dir: str, server, clients) -> int:
-    """Loads every party's newest complete checkpoint into the rebuilt run; returns its round."""
-    round_idx = latest_round(run_dir)
+def resume_federation(run_dir: str, round_idx: int, server, clients) -> None:
+    """Loads every party's checkpoint of round `round_idx` into the rebuilt run."""
     for client in clients:
         path = party_path(run_dir, client_party(client.client_id), round_idx)
         restore_client(client, read_party(path, client_payload(client)))
     restore_server(server, read_party(party_path(run_dir, 'server', round_idx),
                                       server_payload(server)))
-    return round_idx
 
 
 def check_resumable(cfg, saved_config: dict) -> None:

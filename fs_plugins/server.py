@@ -38,7 +38,6 @@ class ServerProcedure:
         # the run's own architecture's
         self.per_architecture = bool(cfg.fsplug.aggregation.per_architecture)
         self.own_signature = tensor_signature(initial_shared)
-        self.own_signature_dict = signature_of(initial_shared)
         self.other_states: dict[tuple, dict] = {}
         self.client_signature: dict[int, tuple] = {}
         self.rejections: list[dict] = []   # {'round', 'client', 'reason'} of rejected updates
@@ -119,13 +118,13 @@ class ServerProcedure:
     def _shapes_from_config(self, client_id: int) -> dict | None:
         from fs_plugins.config import to_plain
         client_cfg = self.method.client_configs.get(client_id)
-        if not self.own_signature_dict:   # the server was given no model to compare with
+        if not self.own_signature:   # the server was given no model to compare with
             return None
         if client_cfg is None:   # no override: the run's model, if every override is known
             known = self.all_client_configs_known and not self.per_architecture
-            return dict(self.own_signature_dict) if known else None
+            return dict(self.own_signature) if known else None
         if to_plain(client_cfg) == to_plain(self.cfg):
-            return dict(self.own_signature_dict)
+            return dict(self.own_signature)
         return client_shared_shapes(client_cfg, type(self.method))
 
     def _state_of(self, client_id: int) -> dict:
@@ -186,4 +185,4 @@ class _StayOnMeta(torch.overrides.TorchFunctionMode):
 
 def tensor_signature(tensors: dict) -> tuple:
     """The names and shapes of a set of shared tensors: equal for clients of one architecture."""
-    return tuple(sorted((name, tuple(t.shape)) for name, t in tensors.items()))
+    return tuple(sorted(signature_of(tensors).items()))

@@ -281,19 +281,23 @@ def test_a_client_with_its_own_config_is_checked_against_its_own_model(tmp_path)
     assert any(4 in shape for shape in own.values())
 
 
-def test_a_round_without_a_valid_update_keeps_the_state():
-    from fs_plugins.server import ServerProcedure
+def fedavg_server(initial: dict):
+    """A FedAvg ServerProcedure over `initial` whose results rows stay in memory."""
     from fs_plugins.results import ResultsLog
-    cfg = load_config(tiny_yaml_of('fedavg'), [])
+    from fs_plugins.server import ServerProcedure
 
-    class Log(ResultsLog):
+    class MemoryLog(ResultsLog):
         def __init__(self):
             self.rows = []
 
         def log(self, row):
             self.rows.append(row)
-    method = all_methods()['fedavg'](cfg)
-    server = ServerProcedure(cfg, method, {'w': torch.ones(2)}, Log())
+    cfg = load_config(tiny_yaml_of('fedavg'), [])
+    return ServerProcedure(cfg, all_methods()['fedavg'](cfg), initial, MemoryLog())
+
+
+def test_a_round_without_a_valid_update_keeps_the_state():
+    server = fedavg_server({'w': torch.ones(2)})
     server.aggregate(0, [ClientUpdate(1, 4, {'w': torch.full((2,), float('nan'))}, {}, {})])
     assert torch.equal(server.state['global']['w'], torch.ones(2))
     assert server.rejections == [{'round': 0, 'client': 1,
@@ -303,17 +307,7 @@ def test_a_round_without_a_valid_update_keeps_the_state():
 def test_a_server_without_the_clients_configs_trusts_each_clients_first_valid_update():
     """A distributed server may lack the clients' --client_cfg: a client's first valid update
     fixes the shapes it must keep sending."""
-    from fs_plugins.server import ServerProcedure
-    from fs_plugins.results import ResultsLog
-    cfg = load_config(tiny_yaml_of('fedavg'), [])
-
-    class Log(ResultsLog):
-        def __init__(self):
-            self.rows = []
-
-        def log(self, row):
-            self.rows.append(row)
-    server = ServerProcedure(cfg, all_methods()['fedavg'](cfg), {'w': torch.ones(2)}, Log())
+    server = fedavg_server({'w': torch.ones(2)})
     server.all_client_configs_known = False
     bigger = ClientUpdate(2, 4, {'w': torch.ones(3)}, {}, {})
     assert server.accepted(0, [bigger]) == [bigger]

@@ -18,8 +18,8 @@ import random
 import typing
 from dataclasses import dataclass, fields
 
-from fs_plugins.schema.options import _hints, _is_section, _list_item, _optional_inner
-from fs_plugins.schema.options import _resolve_choices
+from fs_plugins.schema.options import (_hints, _is_section, _list_item, _optional_inner,
+                                       _resolve_choices, walk_options)
 
 MISSING_ROOT = '/nonexistent/fsplug-fuzz'
 
@@ -45,14 +45,7 @@ class Mutation:
 
 def option_rows(cls, path: str) -> list[tuple[str, object, dict]]:
     """(dotted key, annotation, option metadata) of every option under `cls`, recursively."""
-    hints, rows = _hints(cls), []
-    for fld in fields(cls):
-        key, tp = f'{path}.{fld.name}', hints[fld.name]
-        if _is_section(tp):
-            rows += option_rows(tp, key)
-        elif fld.metadata.get('help') is not None:
-            rows.append((key, tp, dict(fld.metadata)))
-    return rows
+    return [(key, tp, dict(fld.metadata)) for key, tp, fld in walk_options(cls, path)]
 
 
 def candidate_options(plain: dict) -> list[tuple[str, object, dict]]:
@@ -67,7 +60,7 @@ def candidate_options(plain: dict) -> list[tuple[str, object, dict]]:
         tp = _hints(FSKeys)[fld.name]
         if _is_section(tp):
             rows += option_rows(tp, fld.name)
-    # a key the method's rules read but whose wrong value only a run would reveal stays out
+    # import_modules and the checkpoint keys get their own 'missing file' variants
     return [r for r in rows if not r[0].startswith(('fsplug.import_modules', 'fsplug.checkpoint'))]
 
 

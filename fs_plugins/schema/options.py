@@ -231,17 +231,22 @@ def undocumented_fields(cls, path: str = '') -> list[str]:
     return missing
 
 
-def describe(cls, path: str) -> list[dict]:
-    """One row per key (recursively): key, type, default, allowed, help — for documentation."""
-    hints, rows = _hints(cls), []
+def walk_options(cls, path: str):
+    """(dotted key, annotation, field) of every option under `cls`, sections recursed into."""
+    hints = _hints(cls)
     for fld in fields(cls):
         key, tp = f'{path}.{fld.name}', hints[fld.name]
         if _is_section(tp):
-            rows += describe(tp, key)
-            continue
-        rows.append({'key': key, 'type': type_name(tp), 'default': _default(fld),
-                     'allowed': allowed_text(fld.metadata), 'help': fld.metadata.get('help', '')})
-    return rows
+            yield from walk_options(tp, key)
+        else:
+            yield key, tp, fld
+
+
+def describe(cls, path: str) -> list[dict]:
+    """One row per key (recursively): key, type, default, allowed, help — for documentation."""
+    return [{'key': key, 'type': type_name(tp), 'default': _default(fld),
+             'allowed': allowed_text(fld.metadata), 'help': fld.metadata.get('help', '')}
+            for key, tp, fld in walk_options(cls, path)]
 
 
 def allowed_text(meta: Mapping) -> str:

@@ -61,7 +61,8 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
             client.predictions_path = predictions_path(results.out_dir, cid)
         start = 0
         if checkpoint:
-            start = resume_federation(resume_from, server, clients.values()) + 1
+            resume_federation(resume_from, checkpoint['round'], server, clients.values())
+            start = checkpoint['round'] + 1
             logger.info(f'fs-plugins: resumed from the checkpoint of round {start - 1} in {resume_from}')
         total = cfg.federate.total_round_num
         progress = tqdm(range(start, total), desc=f'{cfg.fsplug.method} rounds', unit='round',
