@@ -44,8 +44,10 @@ FORMAT = 1
 META_KEY = 'fsplug_checkpoint'
 INFO_KEY = 'fsplug_info'
 # config keys that may differ between a run and its resumption
+# (distribute: a relaunched distributed party may listen on other addresses)
 RESUME_FREE_KEYS = ('fsplug.checkpoint', 'fsplug.overwrite', 'federate.total_round_num',
-                    'outdir', 'expname', 'fsplug.results_dir', 'eval.freq', 'fsplug.save')
+                    'outdir', 'expname', 'fsplug.results_dir', 'eval.freq', 'fsplug.save',
+                    'distribute')
 
 
 class CheckpointError(ValueError):
@@ -183,6 +185,11 @@ def write_party(path: str, payload: dict, info: dict | None = None) -> int:
     (round, rows, config) readable without the rest (`read_info`)."""
     tensors: dict = {}
     skeleton = pack(payload, tensors, os.path.basename(path).split('.')[0])
+    return write_packed(path, skeleton, tensors, info)
+
+
+def write_packed(path: str, skeleton, tensors: dict, info: dict | None = None) -> int:
+    """`write_party` of a payload packed earlier (a snapshot taken before it is written)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     handle, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.tmp-', dir=folder)
@@ -291,15 +298,17 @@ def restore_client(client, payload: dict) -> None:
 def server_payload(server) -> dict:
     return {'state': server.state, 'other_states': server.other_states,
             'client_signature': server.client_signature, 'rejections': server.rejections,
-            'rng': rng_state()}
+            'expected_shapes': server._expected, 'rng': rng_state()}
 
 
 def restore_server(server, payload: dict) -> None:
+    """The server procedure's state; the random generators are the caller's to restore
+    (`set_rng_state(payload['rng'])`) at the point the run continues."""
     server.state = payload['state']
     server.other_states = payload['other_states']
     server.client_signature = payload['client_signature']
     server.rejections = payload['rejections']
-    set_rng_state(payload['rng'])
+    server._expected = payload['expected_shapes']
 
 
 # ------------------------------------------------------------------ one process
@@ -326,8 +335,9 @@ def resume_federation(run_dir: str, round_idx: int, server, clients) -> None:
     for client in clients:
         path = party_path(run_dir, client_party(client.client_id), round_idx)
         restore_client(client, read_party(path, client_payload(client)))
-    restore_server(server, read_party(party_path(run_dir, 'server', round_idx),
-                                      server_payload(server)))
+    payload = read_party(party_path(run_dir, 'server', round_idx), server_payload(server))
+    restore_server(server, payload)
+    set_rng_state(payload['rng'])
 
 
 def check_resumable(cfg, saved_config: dict) -> None:

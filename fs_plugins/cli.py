@@ -7,6 +7,9 @@ round) without reading any pretrained weight (see fs_plugins.estimate).
 with a run's fine-tuned model; `fs-plugins eval --run DIR [--client K] --data FILE` re-evaluates
 it on another dataset; `fs-plugins export --run DIR [--client K] [--merge] --out DIR2` writes it
 as a Hugging Face folder (see fs_plugins.trained).
+`fs-plugins launch --cfg X.yaml [--client_cfg C.yaml]` runs FederatedScope's distributed mode
+as local processes; `--role server|client --data_idx K --server_host H` starts one party of a
+multi-host federation (see fs_plugins.launch).
 
 With FederatedScope importable (and --runner auto or fs) the YAML runs through FS's own
 main.py; otherwise through the embedded runner, which says so in its first log line."""
@@ -135,6 +138,55 @@ def _trained_parser(sub, name: str, help: str):
     return parser
 
 
+def _launch_parser(sub) -> None:
+    launching = sub.add_parser('launch', help='FederatedScope distributed mode: a local '
+                                              'federation of processes, or one party')
+    launching.add_argument('--cfg', required=True, help='YAML config (FederatedScope format)')
+    launching.add_argument('--client_cfg', default=None, help='per-client overrides (FS format)')
+    launching.add_argument('--role', choices=['local', 'server', 'client'], default='local',
+                           help='local: a server and every client here; server/client: one '
+                                'party of a multi-host federation')
+    launching.add_argument('--data_idx', type=int, default=0, help='the client (with --role client)')
+    launching.add_argument('--server_host', default='127.0.0.1')
+    launching.add_argument('--server_port', type=int, default=50051)
+    launching.add_argument('--host', default=None,
+                           help="this party's address others reach it at (default: the "
+                                "server's host for the server; 127.0.0.1 for a client)")
+    launching.add_argument('--port', type=int, default=None,
+                           help="this party's port (default: the server's port for the server, "
+                                "50051 + data_idx for a client)")
+    launching.add_argument('--timeout', type=float, default=None,
+                           help='local: stop every process after this many seconds')
+    launching.add_argument('--resume', default=None, metavar='DIR')
+    launching.add_argument('--overwrite', action='store_true')
+    launching.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
+
+
+def launch(args) -> int:
+    from fs_plugins.config import ConfigError
+    from fs_plugins.launch import Address, LocalFederation, launch_one
+    if not fs_available():
+        print('fs-plugins launch: FederatedScope is not importable (see README: Install)',
+              file=sys.stderr)
+        return 2
+    switches = (['--resume', args.resume] if args.resume else []) + \
+        (['--overwrite'] if args.overwrite else [])
+    try:
+        if args.role == 'local':
+            federation = LocalFederation(args.cfg, args.client_cfg, args.opts, switches,
+                                         run_dir=args.resume)
+            return federation.run(timeout=args.timeout)
+        server = Address(args.server_host, args.server_port)
+        if args.role == 'server':
+            own = Address(args.host or args.server_host, args.port or args.server_port)
+        else:
+            own = Address(args.host or '127.0.0.1', args.port or args.server_port + args.data_idx)
+        return launch_one(args.cfg, args.role, args.data_idx, server, own, args.client_cfg,
+                          args.opts, switches)
+    except ConfigError as exc:
+        return _config_error(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog='fs-plugins', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="replace the results of an earlier run in the results directory "
                           "(fsplug.overwrite)")
     run.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
+    _launch_parser(sub)
     listing = sub.add_parser('methods', help='list the registered methods, one per line')
     listing.add_argument('--import', dest='modules', nargs='*', default=[],
                          help='modules to import first (as fsplug.import_modules)')
@@ -181,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return estimate(args)
     if args.command in ('predict', 'eval', 'export'):
         return use_trained(args)
+    if args.command == 'launch':
+        return launch(args)
 
     from fs_plugins.config import ConfigError
     from fs_plugins.checkpoint import CheckpointError

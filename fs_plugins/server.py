@@ -100,12 +100,16 @@ class ServerProcedure:
                     self._expected[update.client_id] = signature_of(update.shared)
                 kept.append(update)
                 continue
-            logger.warning(f'fsplug: round {round_idx}: update of client {update.client_id} '
-                           f'rejected: {reason}')
-            self.rejections.append({'round': round_idx, 'client': update.client_id,
-                                    'reason': reason})
-            self.results.log_rejection(round_idx, update.client_id, reason)
+            self.reject(round_idx, update.client_id, reason)
         return kept
+
+    def reject(self, round_idx: int, client_id: int, reason: str) -> None:
+        """Leaves client `client_id`'s update of this round out, with a warning and a
+        'rejected' results row."""
+        logger.warning(f'fsplug: round {round_idx}: update of client {client_id} '
+                       f'rejected: {reason}')
+        self.rejections.append({'round': round_idx, 'client': client_id, 'reason': reason})
+        self.results.log_rejection(round_idx, client_id, reason)
 
     def expected_shapes(self, client_id: int) -> dict | None:
         """The shared tensors client `client_id` sends: the run's own when its config is the

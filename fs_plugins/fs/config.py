@@ -83,12 +83,21 @@ def check_fs_cfg(cfg) -> None:
     active = [key for key, is_on in UNSUPPORTED_FS_FEATURES if is_on(cfg)]
     if active:
         raise ConfigError([f'{key} is not supported with fsplug methods; turn it off' for key in active])
+    raise_grpc_limits(cfg)
     if cfg.fsplug.data.evaluate_others and 'others' not in cfg.eval.split:
         cfg.eval.split.append('others')
     # FS's monitor only accepts metrics listed in eval.metrics
     for name in list(REPORTED_METRICS) + list(cfg.fsplug.eval.gen_metrics):
         if name not in cfg.eval.metrics:
             cfg.eval.metrics.append(name)
+
+
+def raise_grpc_limits(cfg) -> None:
+    """FS's gRPC message limits, raised to fsplug.distribute.max_message_mb where lower."""
+    limit = int(cfg.fsplug.distribute.max_message_mb) * 2 ** 20
+    for key in ('grpc_max_send_message_length', 'grpc_max_receive_message_length'):
+        if key in cfg.get('distribute', {}):   # absent from a client's partial config node
+            cfg.distribute[key] = max(int(cfg.distribute[key]), limit)
 
 
 def _is_plugin_root(node) -> bool:

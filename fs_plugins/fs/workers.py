@@ -11,7 +11,10 @@ What they change in FS's flow, and why:
 - `finish` is sent once (upstream sends it twice in distributed mode, which can hang);
 - models are saved as artifacts (fs_plugins.artifacts) at the rounds `should_save` names: the
   server writes the global state, every client its own model after it receives the evaluation
-  content (or, at a save round without evaluation, a SAVE_MSG with that content).
+  content (or, at a save round without evaluation, a SAVE_MSG with that content);
+- whole-federation checkpoints and resume (fs_plugins.fs.checkpoints); a distributed client
+  process that was restarted rejoins, restores its checkpoint and gets its round's content
+  again.
 """
 from __future__ import annotations
 
@@ -22,11 +25,15 @@ import torch
 from federatedscope.core.message import Message
 from federatedscope.core.workers import Client, Server
 
+from fs_plugins.checkpoint import server_checkpoint_info, set_rng_state
 from fs_plugins.client import ClientProcedure
 from fs_plugins.config import Cfg, merge, to_plain
+from fs_plugins.fs.checkpoints import (CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCheckpoints,
+                                       resume_client, resume_server, write_client)
 from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES
 from fs_plugins.fs.logs import share_fs_logging
-from fs_plugins.fs.wire import MARKER, decode_update, encode_tensors, encode_update
+from fs_plugins.fs.wire import (MARKER, WireError, decode_update, encode_tensors, encode_update,
+                                encoded_size)
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
 from fs_plugins.results import ResultsLog
@@ -69,19 +76,22 @@ class GlobalState(torch.nn.Module):
                            'evaluation runs on the clients (federate.make_global_eval: False)')
 
 
-def refuse_checkpoint_keys(cfg) -> None:
-    """Whole-federation checkpoints are written and resumed by the embedded runner only so far;
-    under FS the keys would silently do nothing, so they are refused."""
-    from fs_plugins.errors import ConfigError
-    if int(cfg.fsplug.checkpoint.freq) > 0 or cfg.fsplug.checkpoint.resume_from:
-        raise ConfigError(['fsplug.checkpoint.freq / resume_from: whole-federation checkpoints '
-                           'run in the embedded runner only (fs-plugins run --runner embedded); '
-                           "under FederatedScope use FS's federate.save_to / restore_from for "
-                           'the global state'])
-
-
 def _is_distributed(cfg) -> bool:
     return cfg.federate.mode.lower() == 'distributed'
+
+
+def check_message_size(cfg, content: dict, what: str) -> None:
+    """FS's gRPC drops a message over its limit with only a warning, and the federation then
+    waits for it for ever: refuse it here instead, naming the size and the key to raise."""
+    if not _is_distributed(cfg):
+        return
+    size = encoded_size(content)
+    limit = min(int(cfg.distribute.grpc_max_send_message_length),
+                int(cfg.distribute.grpc_max_receive_message_length))
+    if size > limit:
+        raise RuntimeError(f'fsplug: {what} is {size / 2**20:.1f} MiB encoded, over the gRPC '
+                           f'limit of {limit / 2**20:.1f} MiB (fsplug.distribute.max_message_mb, '
+                           f"at most 2047: gRPC's ceiling)")
 
 
 def _torch_device(device):
@@ -93,29 +103,50 @@ class PluginServer(Server):
                  total_round_num=10, device='cpu', strategy=None, unseen_clients_id=None,
                  **kwargs):
         share_fs_logging()
-        refuse_checkpoint_keys(config)
+        resume_dir = str(config.fsplug.checkpoint.resume_from)
+        checkpoint = server_checkpoint_info(config, resume_dir) if resume_dir else None
         method = get_method_class(config.fsplug.method)(config)
         # FS has checked these entries and merges them itself on the clients' side
         method.client_configs = {cid: Cfg.wrap(merge(to_plain(config), override))
                                  for cid, override in CLIENT_OVERRIDES.items()}
         shared, layout = initial_global(config, method)
         model = GlobalState(shared)
+        if checkpoint:
+            state = checkpoint['round'] + 1
         super().__init__(ID, state, config, data, model, client_num, total_round_num, device,
                          strategy, unseen_clients_id, **kwargs)
-        results = ResultsLog(results_dir(config, outdir_is_final=True),
-                             run_info(config, 'federatedscope', CLIENT_NAMES),
-                             overwrite=bool(config.fsplug.overwrite))
+        run_dir = resume_dir or results_dir(config, outdir_is_final=True)
+        results = ResultsLog(run_dir, run_info(config, 'federatedscope', CLIENT_NAMES),
+                             overwrite=bool(config.fsplug.overwrite),
+                             resume_rows=checkpoint['rows'] if checkpoint else None)
         # built after FS's __init__, which may have restored the global state from a checkpoint
         self.procedure = ServerProcedure(config, method, model.state_dict(), results, layout)
         self.procedure.all_client_configs_known = not _is_distributed(config)
+        self.checkpoints = ServerCheckpoints(config, self.procedure, run_dir,
+                                             checkpoint['round'] if checkpoint else -1)
+        self._resumed_rng = None   # restored at the first broadcast, where the run continues
+        if checkpoint:
+            self._resumed_rng = resume_server(config, self.procedure, run_dir, checkpoint['round'])
+            self.models[0].load_state_dict(self.procedure.state['global'])
+            logger.info(f'fs-plugins: resumed from the checkpoint of round {checkpoint["round"]} '
+                        f'in {run_dir}')
+        self.register_handlers(CHECKPOINTED_MSG, self.callback_funcs_for_checkpointed, [None])
+        self._round_receivers: list[int] = []
+        self._started = False
         self._finish_sent = False
 
     def broadcast_model_para(self, msg_type='model_para', sample_client_num=-1,
                              filter_unseen_clients=True):
         client_ids = sorted(self.comm_manager.get_neighbors().keys())
         training = msg_type == 'model_para'
+        if self._resumed_rng is not None:
+            set_rng_state(self._resumed_rng)
+            self._resumed_rng = None
+        if training and self.checkpoints.due(rounds_done=self.state):
+            self._ask_checkpoint(self.state - 1)
         if training:
-            receivers = self.procedure.sample(self.state, client_ids)
+            self._started = True
+            receivers = self._round_receivers = self.procedure.sample(self.state, client_ids)
             if self.sampler is not None:
                 self.sampler.change_state(receivers, 'working')
         else:
@@ -127,14 +158,63 @@ class PluginServer(Server):
         training = msg_type == 'model_para'
         for cid in receivers:
             content = self.procedure.content_for(cid, for_training=training)
+            encoded = encode_tensors(content, _is_distributed(self._cfg))
+            check_message_size(self._cfg, encoded, f'{msg_type} for client {cid}')
             self.comm_manager.send(Message(
                 msg_type=msg_type, sender=self.ID, receiver=[cid],
                 state=min(round_idx, self.total_round_num), timestamp=self.cur_timestamp,
-                content=encode_tensors(content, _is_distributed(self._cfg))))
+                content=encoded))
+
+    def _ask_checkpoint(self, round_idx: int) -> None:
+        """Every client writes its file of round `round_idx`; the server writes its own once
+        all have answered (callback_funcs_for_checkpointed)."""
+        client_ids = sorted(self.comm_manager.get_neighbors().keys())
+        self.checkpoints.begin(round_idx, client_ids)
+        self.comm_manager.send(Message(msg_type=CHECKPOINT_MSG, sender=self.ID,
+                                       receiver=client_ids, state=round_idx,
+                                       timestamp=self.cur_timestamp, content={MARKER: 1}))
+
+    def callback_funcs_for_checkpointed(self, message):
+        self.checkpoints.answered(int(message.state), int(message.sender))
+        return False
+
+    def _wait_for_checkpoints(self) -> None:
+        """Distributed: the final checkpoint's answers arrive after FS's loop has ended."""
+        while self.checkpoints.pending:
+            message = self.comm_manager.receive()
+            self.msg_handlers[message.msg_type](message)
+
+    def callback_funcs_for_join_in(self, message):
+        """A client process that was restarted joins again under its id: it gets the current
+        round's training content if its update is still awaited (it restores its checkpoint
+        when that content arrives)."""
+        sender = int(message.sender)
+        rejoining = (self._started and 'info' not in message.msg_type
+                     and sender in self.comm_manager.get_neighbors())
+        if not rejoining:
+            return super().callback_funcs_for_join_in(message)
+        self.comm_manager.add_neighbors(neighbor_id=sender, address=message.content)
+        logger.warning(f'fsplug: client {sender} rejoined in round {self.state}')
+        self.checkpoints.abandon_waiting_for(sender)
+        awaited = sender in self._round_receivers and \
+            sender not in self.msg_buffer['train'].get(self.state, {})
+        if awaited and self.state < self.total_round_num:
+            self._send_content('model_para', [sender], self.state)
+        return False
+
+    def _decoded_updates(self, buffer: dict) -> list:
+        """The round's updates; one that cannot be decoded is rejected, the rest go on."""
+        updates = []
+        for cid, received in buffer.items():
+            try:
+                num_samples, content = received
+                updates.append(decode_update(cid, num_samples, content))
+            except (WireError, TypeError, ValueError) as exc:
+                self.procedure.reject(self.state, int(cid), f'undecodable update: {exc}')
+        return updates
 
     def _perform_federated_aggregation(self):
-        buffer = self.msg_buffer['train'][self.state]
-        updates = [decode_update(cid, n, content) for cid, (n, content) in buffer.items()]
+        updates = self._decoded_updates(self.msg_buffer['train'][self.state])
         if self.staled_msg_buffer:
             logger.warning(f'fsplug: ignoring {len(self.staled_msg_buffer)} stale update(s)')
         self.procedure.aggregate(self.state, updates)
@@ -161,6 +241,10 @@ class PluginServer(Server):
         if self._finish_sent:
             return
         self._finish_sent = True
+        if self.checkpoints.due(rounds_done=self.total_round_num):
+            self._ask_checkpoint(self.total_round_num - 1)
+            if _is_distributed(self._cfg):
+                self._wait_for_checkpoints()
         self.is_finish = True
         self._monitor.finish_fl()
         self.comm_manager.send(Message(
@@ -184,10 +268,32 @@ class PluginClient(Client):
         super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
                          is_unseen_client, *args, **kwargs)
         procedure = ClientProcedure(self.ID, config, method, built, data, _torch_device(device))
-        self.run_dir = results_dir(config, outdir_is_final=True)
+        resume_dir = str(config.fsplug.checkpoint.resume_from)
+        self.run_dir = resume_dir or results_dir(config, outdir_is_final=True)
+        self._resume_pending = bool(resume_dir)
         procedure.predictions_path = predictions_path(self.run_dir, self.ID)
         self.trainer.bind(procedure)
         self.register_handlers(SAVE_MSG, self.callback_funcs_for_save, [None])
+        self.register_handlers(CHECKPOINT_MSG, self.callback_funcs_for_checkpoint, [None])
+
+    def _resume_before(self, round_idx: int) -> None:
+        """On resume, before the first content is used: this client's newest checkpoint
+        before round `round_idx` (in one process, the server restores the generators)."""
+        if not self._resume_pending:
+            return
+        self._resume_pending = False
+        restored = resume_client(self.run_dir, self.trainer.procedure, round_idx,
+                                 with_rng=_is_distributed(self._cfg))
+        logger.info(f'fs-plugins: client {self.ID} resumed from its checkpoint of round {restored}')
+
+    def callback_funcs_for_checkpoint(self, message):
+        round_idx = int(message.state)
+        write_client(self.run_dir, self.trainer.procedure, round_idx,
+                     with_rng=_is_distributed(self._cfg))
+        self.comm_manager.send(Message(msg_type=CHECKPOINTED_MSG, sender=self.ID,
+                                       receiver=[message.sender], state=round_idx,
+                                       timestamp=self._gen_timestamp(message.timestamp, 0),
+                                       content={MARKER: 1}))
 
     def _save_if_due(self, round_idx: int) -> None:
         procedure = self.trainer.procedure
@@ -195,22 +301,27 @@ class PluginClient(Client):
             procedure.save_model(self.run_dir, round_idx)
 
     def callback_funcs_for_evaluate(self, message):
+        self._resume_before(int(message.state) + 1)
         self.trainer.procedure.round_idx = int(message.state)   # PFL-Dynamic: what is visible
         super().callback_funcs_for_evaluate(message)
         self._save_if_due(int(message.state))
 
     def callback_funcs_for_save(self, message):
+        self._resume_before(int(message.state) + 1)
         self.trainer.update(message.content)
         self._save_if_due(int(message.state))
 
     def callback_funcs_for_model_para(self, message):
+        self._resume_before(int(message.state))
         self.state = message.state
         self.trainer.procedure.round_idx = int(message.state)
         self.trainer.update(message.content)
         self.trainer.train()
         update = self.trainer.last_update
+        encoded = encode_update(update, _is_distributed(self._cfg))
+        check_message_size(self._cfg, encoded, f'the update of client {self.ID}')
         self.comm_manager.send(Message(
             msg_type='model_para', sender=self.ID, receiver=[message.sender], state=self.state,
             timestamp=self._gen_timestamp(init_timestamp=message.timestamp,
                                           instance_number=update.num_samples),
-            content=(update.num_samples, encode_update(update, _is_distributed(self._cfg)))))
+            content=(update.num_samples, encoded)))

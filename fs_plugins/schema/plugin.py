@@ -263,6 +263,16 @@ class ValidationOptions:
 
 
 @dataclass
+class DistributeOptions:
+    max_message_mb: int = option(2047, "FS distributed mode: the largest message in MiB; FS's "
+                                       'distribute.grpc_max_send_message_length and '
+                                       'grpc_max_receive_message_length are raised to it when '
+                                       "lower (FS's 300 MB default refuses e.g. a LLaVA-7B r=128 "
+                                       "update once encoded); 2047 is gRPC's own ceiling",
+                                 ge=1, le=2047)
+
+
+@dataclass
 class PluginOptions:
     """`fsplug.*` without the per-method nodes (those come from the method registry)."""
     method: str = option('', "the method that runs ('' leaves FederatedScope untouched)",
@@ -280,6 +290,8 @@ class PluginOptions:
                                                                'federation')
     validation: ValidationOptions = section(ValidationOptions, 'server-side checks of every '
                                                                'client update')
+    distribute: DistributeOptions = section(DistributeOptions, 'FederatedScope distributed mode '
+                                                               '(gRPC)')
     overwrite: bool = option(False, 'replace the results of an earlier run in the same results '
                                     'directory (otherwise such a directory is refused; CLI: '
                                     '--overwrite)')

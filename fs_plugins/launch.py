@@ -1,0 +1,254 @@
+"""`fs-plugins launch`: FederatedScope's distributed mode (gRPC), one process per party.
+
+Local: `fs-plugins launch --cfg X.yaml [--client_cfg C.yaml]` starts one server and one
+process per client of the split on 127.0.0.1 (free ports), the server first and the clients
+once it listens (FS clients do not retry joining). Each party runs `fs-plugins run --runner fs` on a
+YAML derived from X (written to `<results dir>/launch/<party>.yaml`: the party's role, data
+index and addresses, client k's `--client_cfg` entry merged in) and logs to
+`<results dir>/launch/<party>.log`. All parties share the results directory: the server
+writes results.jsonl and the global state, each client its own model, predictions and
+checkpoint files. A combined progress line is printed; when one process fails, or on Ctrl-C,
+every process started is stopped.
+
+One party (multi-host): `fs-plugins launch --role server|client --data_idx K --server_host H
+...` derives that party's YAML the same way and runs it in the foreground.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from fs_plugins.config import load_config, merge, parse_opts, read_yaml
+from fs_plugins.errors import ConfigError
+from fs_plugins.runtime import results_dir
+
+LAUNCH_DIR = 'launch'
+ROUND_LINE = re.compile(r'training (?:round )?\(Round #(\d+)\)')   # FS's server log, 0-based
+POLL_S = 0.3
+
+
+@dataclass
+class Address:
+    host: str
+    port: int
+
+
+@dataclass
+class Party:
+    name: str                 # 'server' or 'client_<k>'
+    role: str
+    data_idx: int
+    address: Address
+    process: subprocess.Popen | None = None
+    cfg_path: str = ''
+    log_path: str = ''
+
+
+def party_config(base: dict, role: str, data_idx: int, server: Address, own: Address,
+                 run_dir: str, client_entry: dict | None = None) -> dict:
+    """The YAML of one party: `base` with its role, data index and addresses; a client's own
+    `--client_cfg` entry merged in."""
+    name = 'server' if role == 'server' else f'client_{data_idx}'
+    layer = {'federate': {'mode': 'distributed'},
+             'distribute': {'use': True, 'role': role, 'data_idx': int(data_idx),
+                            'server_host': server.host, 'server_port': int(server.port),
+                            'client_host': own.host, 'client_port': int(own.port)},
+             'fsplug': {'results_dir': run_dir},
+             'outdir': os.path.join(run_dir, LAUNCH_DIR, 'fs_' + name)}
+    cfg = merge(base, client_entry or {})
+    return merge(cfg, layer)
+
+
+def client_count(cfg) -> int:
+    """The clients a run has: the split's (e.g. one per source with `by_source`) for the
+    plugin's data, else federate.client_num."""
+    from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
+    if str(cfg.data.type).endswith('@' + DATA_TYPE_SUFFIX):
+        from fs_plugins.data.federated import build_federated_records
+        return int(build_federated_records(cfg).client_num)
+    return int(cfg.federate.client_num)
+
+
+def free_ports(count: int, host: str = '127.0.0.1') -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def is_listening(address: Address) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((address.host, address.port)) == 0
+
+
+def write_yaml(path: str, cfg: dict) -> str:
+    import yaml
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w', encoding='utf-8') as handle:
+        yaml.safe_dump(cfg, handle, sort_keys=False)
+    return path
+
+
+def party_command(cfg_path: str, switches: list[str]) -> list[str]:
+    return [sys.executable, '-m', 'fs_plugins.cli', 'run', '--runner', 'fs', '--cfg', cfg_path,
+            *switches]
+
+
+class LocalFederation:
+    """One server and every client of a config as local processes."""
+
+    def __init__(self, cfg_path: str, client_cfg: str | None = None, opts: list[str] = (),
+                 switches: list[str] = (), host: str = '127.0.0.1', env: dict | None = None,
+                 run_dir: str | None = None, out=None):
+        base = merge(read_yaml(cfg_path), parse_opts(list(opts)))
+        cfg = load_config(cfg_path, list(opts))      # every problem named before a process starts
+        self.run_dir = os.path.abspath(run_dir or results_dir(cfg))
+        self.total_rounds = int(cfg.federate.total_round_num)
+        self.switches, self.env, self.out = list(switches), env, out or sys.stdout
+        client_cfgs = read_yaml(client_cfg) if client_cfg else {}
+        client_ids = range(1, client_count(cfg) + 1)
+        unknown = sorted(set(client_cfgs) - {f'client_{k}' for k in client_ids})
+        if unknown:
+            raise ConfigError([f'{client_cfg}: {name} is not a client of this run (1 .. '
+                               f'{len(client_ids)})' for name in unknown])
+        server_port, *client_ports = free_ports(1 + len(client_ids), host)
+        server = Address(host, server_port)
+        self.parties = [Party('server', 'server', 0, server)]
+        self.parties += [Party(f'client_{k}', 'client', k, Address(host, port))
+                         for k, port in zip(client_ids, client_ports)]
+        folder = os.path.join(self.run_dir, LAUNCH_DIR)
+        for party in self.parties:
+            entry = client_cfgs.get(party.name) if party.role == 'client' else None
+            derived = party_config(base, party.role, party.data_idx, server, party.address,
+                                   self.run_dir, copy.deepcopy(entry))
+            party.cfg_path = write_yaml(os.path.join(folder, party.name + '.yaml'), derived)
+            party.log_path = os.path.join(folder, party.name + '.log')
+
+    # -------------------------------------------------------------- processes
+    def start(self, party: Party, switches: list[str] | None = None,
+              command: list[str] | None = None) -> None:
+        """Starts `party` (again: e.g. with `--resume DIR` after it was stopped)."""
+        command = command or party_command(party.cfg_path, self.switches if switches is None
+                                           else switches)
+        log = open(party.log_path, 'a', encoding='utf-8')
+        party.process = subprocess.Popen(command,
+                                         stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        log.close()
+
+    def stop(self, party: Party, timeout: float = 10.0) -> None:
+        process = party.process
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def stop_all(self) -> None:
+        for party in self.parties:
+            self.stop(party)
+
+    def wait_listening(self, party: Party, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not is_listening(party.address):
+            if party.process.poll() is not None:
+                raise LaunchError(party, f'exited ({party.process.returncode}) before listening')
+            if time.monotonic() > deadline:
+                raise LaunchError(party, f'did not listen on {party.address.host}:'
+                                         f'{party.address.port} within {timeout:.0f} s')
+            time.sleep(POLL_S)
+
+    # -------------------------------------------------------------- run
+    def run(self, timeout: float | None = None, listen_timeout: float = 300.0) -> int:
+        """Starts every party, follows them to the end; 0 when all exited cleanly."""
+        print(f'fs-plugins launch: {len(self.parties) - 1} clients and a server on '
+              f'{self.parties[0].address.host}; logs in {os.path.join(self.run_dir, LAUNCH_DIR)}',
+              file=self.out, flush=True)
+        try:
+            self.start(self.parties[0])
+            self.wait_listening(self.parties[0], listen_timeout)
+            for party in self.parties[1:]:
+                self.start(party)
+            self.follow(timeout)
+        except LaunchError as exc:
+            self.stop_all()
+            print(f'fs-plugins launch: {exc}\n{exc.log_tail()}', file=self.out, flush=True)
+            return 1
+        except KeyboardInterrupt:
+            self.stop_all()
+            print('fs-plugins launch: interrupted; every process stopped', file=self.out)
+            return 130
+        print(f'fs-plugins launch: done; results in {self.run_dir}', file=self.out, flush=True)
+        return 0
+
+    def follow(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        shown = ''
+        while True:
+            for party in self.parties:
+                code = party.process.poll() if party.process else None
+                if code not in (None, 0):
+                    raise LaunchError(party, f'exited with code {code}')
+            running = [p for p in self.parties if p.process and p.process.poll() is None]
+            line = self.progress(running)
+            if line != shown:
+                print(line, file=self.out, flush=True)
+                shown = line
+            if not running:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise LaunchError(running[0], f'still running after {timeout:.0f} s')
+            time.sleep(POLL_S)
+
+    def progress(self, running: list[Party]) -> str:
+        rounds = ROUND_LINE.findall(_read(self.parties[0].log_path))
+        current = int(rounds[-1]) + 1 if rounds else 0
+        clients = sum(p.role == 'client' for p in running)
+        server = 'running' if self.parties[0] in running else 'done'
+        return (f'fs-plugins launch: round {current}/{self.total_rounds} | server {server} | '
+                f'{clients}/{len(self.parties) - 1} clients running')
+
+
+class LaunchError(RuntimeError):
+    def __init__(self, party: Party, what: str):
+        super().__init__(f'{party.name} {what} (log: {party.log_path})')
+        self.party = party
+
+    def log_tail(self, lines: int = 30) -> str:
+        return '\n'.join(_read(self.party.log_path).splitlines()[-lines:])
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding='utf-8', errors='replace') as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return ''
+
+
+def launch_one(cfg_path: str, role: str, data_idx: int, server: Address, own: Address,
+               client_cfg: str | None, opts: list[str], switches: list[str]) -> int:
+    """One party of a multi-host federation, in the foreground."""
+    base = merge(read_yaml(cfg_path), parse_opts(list(opts)))
+    cfg = load_config(cfg_path, list(opts))
+    run_dir = os.path.abspath(results_dir(cfg))
+    entry = read_yaml(client_cfg).get(f'client_{data_idx}') if client_cfg and role == 'client' else None
+    name = 'server' if role == 'server' else f'client_{data_idx}'
+    derived = party_config(base, role, data_idx, server, own, run_dir, entry)
+    path = write_yaml(os.path.join(run_dir, LAUNCH_DIR, name + '.yaml'), derived)
+    return subprocess.call(party_command(path, switches))

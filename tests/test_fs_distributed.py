@@ -1,0 +1,220 @@
+"""FederatedScope's distributed mode through `fs-plugins launch` on 127.0.0.1: the launcher,
+whole-federation checkpoints and resume under FS, a client killed and restarted mid-round,
+a rogue client's pickled payloads, and a message over 100 MB through FS's gRPC. Skipped, with
+the reason, where FederatedScope (and its gRPC) is not installed."""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fs_plugins.checkpoint import party_path
+from fs_plugins.launch import LocalFederation, party_command
+from helpers import tiny_config, write_yaml
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec('federatedscope') is None or importlib.util.find_spec('grpc') is None,
+    reason='FederatedScope (with grpcio) is not installed (install its llm branch, see README)')
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get('PYTHONPATH', '')]))
+
+
+def _config(tmp_path, name, method='fedmole', rounds=3, steps=3, clients=2, **fsplug):
+    cfg = tiny_config(tmp_path, method, rounds=rounds, steps=steps,
+                      federate={'client_num': clients, 'sample_client_num': clients},
+                      data={'splitter': 'iid'})
+    cfg['fsplug']['results_dir'] = str(tmp_path / name)
+    cfg['fsplug'].update(fsplug)
+    return write_yaml(tmp_path / f'{name}.yaml', cfg)
+
+
+def _rows(run_dir):
+    with open(os.path.join(run_dir, 'results.jsonl')) as handle:
+        rows = [json.loads(line) for line in handle]
+    return sorted(rows, key=lambda r: (r['kind'], r['round'], r['client']))
+
+
+def _launch(cfg_path, *args, timeout=300):
+    return subprocess.run([sys.executable, '-m', 'fs_plugins.cli', 'launch', '--cfg', cfg_path,
+                           '--timeout', str(timeout), *args], env=_env(), capture_output=True,
+                          text=True, timeout=timeout + 60)
+
+
+def _wait_for(predicate, what, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f'{what} did not happen within {timeout}s')
+        time.sleep(0.02)
+
+
+def _log(federation, name):
+    with open(os.path.join(federation.run_dir, 'launch', f'{name}.log')) as handle:
+        return handle.read()
+
+
+def test_launch_runs_a_local_federation(tmp_path):
+    cfg = _config(tmp_path, 'run', method='fedavg', rounds=2)
+    proc = _launch(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'round 2/2' in proc.stdout
+    rows = _rows(str(tmp_path / 'run'))
+    assert {(r['kind'], r['round'], r['client']) for r in rows} == \
+        {(k, r, c) for k in ('train', 'eval') for r in (0, 1) for c in (1, 2)}
+    for name in ('server', 'client_1', 'client_2'):   # each party's derived YAML and log
+        assert os.path.isfile(tmp_path / 'run' / 'launch' / f'{name}.yaml')
+        assert os.path.getsize(tmp_path / 'run' / 'launch' / f'{name}.log') > 0
+
+
+def test_launch_stops_every_process_when_one_fails(tmp_path, monkeypatch, capsys):
+    import fs_plugins.launch as launch
+    federation = LocalFederation(_config(tmp_path, 'fail', method='fedavg', rounds=50), env=_env())
+    failing = federation.parties[2].cfg_path
+
+    def command(cfg_path, switches):
+        if cfg_path == failing:
+            return [sys.executable, '-c', 'import sys, time; time.sleep(2); sys.exit(3)']
+        return party_command(cfg_path, switches)
+    monkeypatch.setattr(launch, 'party_command', command)
+    assert federation.run(timeout=300) == 1
+    assert 'client_2 exited with code 3' in capsys.readouterr().out
+    assert all(p.process.poll() is not None for p in federation.parties)
+
+
+@pytest.mark.parametrize('mode', ['standalone', 'distributed'])
+def test_fs_resume_continues_to_the_same_results(tmp_path, mode):
+    """A 2-round run with checkpoints, resumed to 3 rounds, ends with the rows of the 3-round
+    run (fedmole: routed experts and routers are client-local state)."""
+    checkpoint = {'checkpoint': {'freq': 1}}
+    full, cut = _config(tmp_path, 'full', **checkpoint), _config(tmp_path, 'cut', rounds=2, **checkpoint)
+    if mode == 'standalone':
+        def run(cfg, *args):
+            return subprocess.run([sys.executable, '-m', 'fs_plugins.cli', 'run', '--runner', 'fs',
+                                   '--cfg', cfg, *args], env=_env(), capture_output=True,
+                                  text=True, timeout=300)
+    else:
+        run = _launch
+    for proc in (run(full), run(cut),
+                 run(cut, '--resume', str(tmp_path / 'cut'), 'federate.total_round_num', '3')):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _rows(str(tmp_path / 'cut')) == _rows(str(tmp_path / 'full'))
+    assert sorted(os.listdir(tmp_path / 'cut' / 'checkpoint')) == [
+        'client_1.round2.safetensors', 'client_2.round2.safetensors', 'server.round2.safetensors']
+
+
+def test_client_killed_mid_round_rejoins_from_its_checkpoint(tmp_path):
+    """Client 2 is killed while it trains round 1 and restarted with --resume: it restores its
+    round-0 checkpoint, rejoins, gets round 1's content again, and the run ends with the
+    numbers of a run that was never interrupted."""
+    steps = {'steps': 30}
+    reference = _launch(_config(tmp_path, 'uninterrupted', **steps))
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    federation = LocalFederation(_config(tmp_path, 'killed', **steps, checkpoint={'freq': 1}),
+                                 env=_env())
+    server, _, victim = federation.parties
+    try:
+        federation.start(server)
+        federation.wait_listening(server, 120)
+        for party in federation.parties[1:]:
+            federation.start(party)
+        round0 = party_path(federation.run_dir, 'client_2', 0)
+        _wait_for(lambda: os.path.isfile(round0), 'client 2 checkpointing round 0')
+        os.killpg(victim.process.pid, signal.SIGKILL)   # it is training round 1 now
+        victim.process.wait()
+        federation.start(victim, switches=['--resume', federation.run_dir])
+        federation.follow(timeout=300)
+    finally:
+        federation.stop_all()
+    assert 'client 2 rejoined in round 1' in _log(federation, 'server')
+    assert 'client 2 resumed from its checkpoint of round 0' in _log(federation, 'client_2')
+    assert _rows(federation.run_dir) == _rows(str(tmp_path / 'uninterrupted'))
+
+
+def test_rogue_client_pickles_are_never_unpickled(tmp_path):
+    """Client 3 sends pickles that would create a file when unpickled, as a `shared/` value and
+    as the whole payload: the file never appears, each is rejected naming client 3, and the
+    run completes with the honest clients."""
+    marker = tmp_path / 'pwned'
+    federation = LocalFederation(_config(tmp_path, 'rogue', method='fedavg', clients=3, rounds=2),
+                                 env=_env())
+    server, *honest, rogue = federation.parties
+    try:
+        federation.start(server)
+        federation.wait_listening(server, 120)
+        for party in honest:
+            federation.start(party)
+        federation.start(rogue, command=[sys.executable, os.path.join(TESTS_DIR, 'rogue_client.py'),
+                                         str(marker), '--cfg', rogue.cfg_path])
+        federation.follow(timeout=300)
+    finally:
+        federation.stop_all()
+    assert not marker.exists()
+    rows = _rows(federation.run_dir)
+    rejected = [r for r in rows if r['kind'] == 'rejected']
+    assert [(r['round'], r['client']) for r in rejected] == [(0, 3), (1, 3)]
+    assert 'is text, not a tensor' in rejected[0]['reason']
+    assert 'is not a safetensors blob' in rejected[1]['reason']
+    assert {r['client'] for r in rows if r['kind'] == 'train'} == {1, 2}
+
+
+def _lora_update(rank=128, layers=32, hidden=4096):
+    """LLaVA-1.5-7B's language model with LoRA r=128 on q_proj and v_proj: 268 MB in float32."""
+    from fs_plugins.methods.base import ClientUpdate
+    generator = torch.Generator().manual_seed(0)
+    shared = {}
+    for layer in range(layers):
+        for module in ('q_proj', 'v_proj'):
+            prefix = f'model.layers.{layer}.self_attn.{module}'
+            shared[f'{prefix}.lora_A.weight'] = torch.randn(rank, hidden, generator=generator)
+            shared[f'{prefix}.lora_B.weight'] = torch.randn(hidden, rank, generator=generator)
+    return ClientUpdate(1, 8, shared, {}, {'loss': 1.0}, dataset_size=8)
+
+
+def test_message_over_100mb_through_fs_grpc(tmp_path):
+    """A LLaVA-7B r=128 update (256 MiB, 341 MiB encoded) through FS's gRPC comm managers on
+    127.0.0.1: refused with a clear error at FS's default limit (300 MiB), delivered intact once
+    fsplug.distribute.max_message_mb has raised it."""
+    from federatedscope.core.communication import gRPCCommManager
+    from federatedscope.core.configs.config import global_cfg
+    from federatedscope.core.message import Message
+    from fs_plugins.fs.config import raise_grpc_limits
+    from fs_plugins.fs.wire import decode_update, encode_update, encoded_size
+    from fs_plugins.fs.workers import check_message_size
+    from fs_plugins.launch import free_ports
+
+    cfg = global_cfg.clone()
+    cfg.federate.mode = 'distributed'
+    update = _lora_update()
+    content = encode_update(update, distributed=True)
+    size = encoded_size(content)
+    assert size > 300 * 2 ** 20   # FS's default limit
+    with pytest.raises(RuntimeError, match=r'over the gRPC limit of 300\.0 MiB'):
+        check_message_size(cfg, content, 'the update of client 1')
+    raise_grpc_limits(cfg)
+    check_message_size(cfg, content, 'the update of client 1')
+    port, = free_ports(1)
+    receiver = gRPCCommManager('127.0.0.1', port, client_num=1, cfg=cfg.distribute)
+    sender = gRPCCommManager('127.0.0.1', free_ports(1)[0], client_num=1, cfg=cfg.distribute)
+    try:
+        sender.add_neighbors(0, f'127.0.0.1:{port}')
+        started = time.perf_counter()
+        sender.send(Message(msg_type='model_para', sender=1, receiver=[0], state=0,
+                            timestamp=0, content=(8, content)))
+        message = receiver.receive()
+        seconds = time.perf_counter() - started
+    finally:
+        receiver.grpc_server.stop(0)
+        sender.grpc_server.stop(0)
+    received = decode_update(1, *message.content)
+    assert received.shared.keys() == update.shared.keys()
+    assert all(torch.equal(received.shared[k], v) for k, v in update.shared.items())
+    print(f'\n{size / 2**20:.1f} MiB encoded through FS gRPC in {seconds:.1f} s')

@@ -1,0 +1,74 @@
+"""`fs-plugins launch`'s derived per-party configs (no processes started; runs without FS).
+The launched federations themselves are in tests/test_fs_distributed.py."""
+import pytest
+import yaml
+
+from fs_plugins.config import load_config
+from fs_plugins.errors import ConfigError
+from fs_plugins.launch import LocalFederation, client_count
+from helpers import tiny_config, tiny_yaml_of, write_yaml
+
+
+def _derived(party):
+    with open(party.cfg_path) as handle:
+        return yaml.safe_load(handle)
+
+
+def test_every_party_gets_its_role_data_index_and_own_address(tmp_path):
+    cfg = tiny_config(tmp_path, 'fedavg', federate={'client_num': 3, 'sample_client_num': 3},
+                      data={'splitter': 'iid'})
+    clients = write_yaml(tmp_path / 'clients.yaml', {'client_2': {'fsplug': {'model': {'lora': {'r': 4}}}}})
+    federation = LocalFederation(write_yaml(tmp_path / 'c.yaml', cfg), clients, ['seed', '7'])
+    names = [p.name for p in federation.parties]
+    assert names == ['server', 'client_1', 'client_2', 'client_3']
+    ports = {p.address.port for p in federation.parties}
+    assert len(ports) == 4
+    server_port = federation.parties[0].address.port
+    for party in federation.parties:
+        derived = _derived(party)
+        assert derived['federate']['mode'] == 'distributed' and derived['seed'] == 7
+        assert derived['distribute']['role'] == party.role
+        assert derived['distribute']['data_idx'] == party.data_idx
+        assert derived['distribute']['server_port'] == server_port
+        assert derived['distribute']['client_port'] == party.address.port
+        assert derived['fsplug']['results_dir'] == federation.run_dir
+        # each derived YAML passes the schema (distribute.* is FS's, checked by FS itself)
+        load_config(write_yaml(tmp_path / 'check.yaml', {k: v for k, v in derived.items()
+                                                         if k != 'distribute'}))
+    # client 2's --client_cfg entry goes into its own YAML only
+    assert [_derived(p)['fsplug']['model'].get('lora', {}).get('r') for p in federation.parties] == \
+        [8, 8, 4, 8]
+
+
+def test_one_client_per_source_with_a_by_source_split(tmp_path):
+    cfg = load_config(tiny_yaml_of('feddat'))
+    expected = client_count(cfg)
+    federation = LocalFederation(tiny_yaml_of('feddat'), opts=['fsplug.results_dir', str(tmp_path / 'r')])
+    assert len(federation.parties) == 1 + expected
+
+
+def test_a_client_entry_for_no_client_is_named(tmp_path):
+    cfg = tiny_config(tmp_path, 'fedavg', federate={'client_num': 2, 'sample_client_num': 2},
+                      data={'splitter': 'iid'})
+    clients = write_yaml(tmp_path / 'clients.yaml', {'client_5': {'train': {'local_update_steps': 1}}})
+    with pytest.raises(ConfigError, match='client_5 is not a client of this run'):
+        LocalFederation(write_yaml(tmp_path / 'c.yaml', cfg), clients)
+
+
+def test_one_party_of_a_multi_host_federation(tmp_path, monkeypatch):
+    import fs_plugins.launch as launch
+    started = []
+    monkeypatch.setattr(launch.subprocess, 'call', lambda command: started.append(command) or 0)
+    cfg = tiny_config(tmp_path, 'fedavg', federate={'client_num': 2, 'sample_client_num': 2},
+                      data={'splitter': 'iid'})
+    clients = write_yaml(tmp_path / 'clients.yaml', {'client_2': {'fsplug': {'model': {'lora': {'r': 4}}}}})
+    code = launch.launch_one(write_yaml(tmp_path / 'c.yaml', cfg), 'client', 2,
+                             launch.Address('10.0.0.1', 6000), launch.Address('10.0.0.9', 6002),
+                             clients, [], ['--overwrite'])
+    assert code == 0 and started[0][-1] == '--overwrite'
+    with open(started[0][started[0].index('--cfg') + 1]) as handle:
+        derived = yaml.safe_load(handle)
+    assert derived['distribute'] == {'use': True, 'role': 'client', 'data_idx': 2,
+                                     'server_host': '10.0.0.1', 'server_port': 6000,
+                                     'client_host': '10.0.0.9', 'client_port': 6002}
+    assert derived['fsplug']['model']['lora']['r'] == 4
