@@ -311,14 +311,38 @@ def restore_server(server, payload: dict) -> None:
     server._expected = payload['expected_shapes']
 
 
+def write_client(run_dir: str, client, round_idx: int, with_rng: bool = False) -> int:
+    """Client `client`'s file of round `round_idx`; `with_rng`: its process's random
+    generators too (a process of its own, FS distributed)."""
+    payload = client_payload(client)
+    if with_rng:
+        payload['rng'] = rng_state()
+    return write_party(party_path(run_dir, client_party(client.client_id), round_idx), payload,
+                       party_info(client.cfg, round_idx))
+
+
+def party_info(cfg, round_idx: int, rows: int | None = None) -> dict:
+    """The plain part of a party's file: its round and config, and for the server the number
+    of results rows the round ends with."""
+    from fs_plugins.config import to_plain
+    info = {'round': round_idx, 'config': to_plain(cfg)}
+    return info if rows is None else {**info, 'rows': rows}
+
+
+def read_server(run_dir: str, round_idx: int, server) -> dict:
+    """Restores `server` from its file of round `round_idx`; returns the random generators'
+    state, for the caller to restore where the run continues."""
+    payload = read_party(party_path(run_dir, 'server', round_idx), server_payload(server))
+    restore_server(server, payload)
+    return payload['rng']
+
+
 # ------------------------------------------------------------------ one process
 def save_federation(run_dir: str, round_idx: int, server, clients, rows: int) -> int:
     """Every party's checkpoint after round `round_idx` (the embedded runner); bytes written."""
-    from fs_plugins.config import to_plain
-    written = sum(write_party(party_path(run_dir, client_party(c.client_id), round_idx),
-                              client_payload(c), {'round': round_idx}) for c in clients)
-    info = {'round': round_idx, 'rows': rows, 'config': to_plain(server.cfg)}
-    written += write_party(party_path(run_dir, 'server', round_idx), server_payload(server), info)
+    written = sum(write_client(run_dir, c, round_idx) for c in clients)
+    written += write_party(party_path(run_dir, 'server', round_idx), server_payload(server),
+                           party_info(server.cfg, round_idx, rows))
     prune(run_dir, round_idx)
     return written
 
@@ -335,9 +359,7 @@ def resume_federation(run_dir: str, round_idx: int, server, clients) -> None:
     for client in clients:
         path = party_path(run_dir, client_party(client.client_id), round_idx)
         restore_client(client, read_party(path, client_payload(client)))
-    payload = read_party(party_path(run_dir, 'server', round_idx), server_payload(server))
-    restore_server(server, payload)
-    set_rng_state(payload['rng'])
+    set_rng_state(read_server(run_dir, round_idx, server))
 
 
 def check_resumable(cfg, saved_config: dict) -> None:

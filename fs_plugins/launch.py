@@ -15,7 +15,6 @@ One party (multi-host): `fs-plugins launch --role server|client --data_idx K --s
 """
 from __future__ import annotations
 
-import copy
 import os
 import re
 import signal
@@ -40,9 +39,12 @@ class Address:
     port: int
 
 
+def party_name(role: str, data_idx: int) -> str:
+    return 'server' if role == 'server' else f'client_{data_idx}'
+
+
 @dataclass
 class Party:
-    name: str                 # 'server' or 'client_<k>'
     role: str
     data_idx: int
     address: Address
@@ -50,20 +52,41 @@ class Party:
     cfg_path: str = ''
     log_path: str = ''
 
+    @property
+    def name(self) -> str:
+        return party_name(self.role, self.data_idx)
 
-def party_config(base: dict, role: str, data_idx: int, server: Address, own: Address,
-                 run_dir: str, client_entry: dict | None = None) -> dict:
+
+def party_config(base: dict, party: Party, server: Address, run_dir: str,
+                 client_entry: dict | None = None) -> dict:
     """The YAML of one party: `base` with its role, data index and addresses; a client's own
     `--client_cfg` entry merged in."""
-    name = 'server' if role == 'server' else f'client_{data_idx}'
     layer = {'federate': {'mode': 'distributed'},
-             'distribute': {'use': True, 'role': role, 'data_idx': int(data_idx),
+             'distribute': {'use': True, 'role': party.role, 'data_idx': int(party.data_idx),
                             'server_host': server.host, 'server_port': int(server.port),
-                            'client_host': own.host, 'client_port': int(own.port)},
+                            'client_host': party.address.host,
+                            'client_port': int(party.address.port)},
              'fsplug': {'results_dir': run_dir},
-             'outdir': os.path.join(run_dir, LAUNCH_DIR, 'fs_' + name)}
-    cfg = merge(base, client_entry or {})
-    return merge(cfg, layer)
+             'outdir': os.path.join(run_dir, LAUNCH_DIR, 'fs_' + party.name)}
+    return merge(merge(base, client_entry or {}), layer)
+
+
+def write_party_config(party: Party, base: dict, server: Address, run_dir: str,
+                       client_cfgs: dict) -> None:
+    """Writes `party`'s derived YAML into <run_dir>/launch/ and sets its config and log paths."""
+    folder = os.path.join(run_dir, LAUNCH_DIR)
+    entry = client_cfgs.get(party.name) if party.role == 'client' else None
+    derived = party_config(base, party, server, run_dir, entry)
+    party.cfg_path = write_yaml(os.path.join(folder, party.name + '.yaml'), derived)
+    party.log_path = os.path.join(folder, party.name + '.log')
+
+
+def load_run(cfg_path: str, opts: list[str], run_dir: str | None = None):
+    """(the YAML with the overrides, as a plain dict; the checked config; the results
+    directory): every problem is named before a process starts."""
+    cfg = load_config(cfg_path, list(opts))
+    base = merge(read_yaml(cfg_path), parse_opts(list(opts)))
+    return base, cfg, os.path.abspath(run_dir or results_dir(cfg))
 
 
 def client_count(cfg) -> int:
@@ -112,9 +135,7 @@ class LocalFederation:
     def __init__(self, cfg_path: str, client_cfg: str | None = None, opts: list[str] = (),
                  switches: list[str] = (), host: str = '127.0.0.1', env: dict | None = None,
                  run_dir: str | None = None, out=None):
-        base = merge(read_yaml(cfg_path), parse_opts(list(opts)))
-        cfg = load_config(cfg_path, list(opts))      # every problem named before a process starts
-        self.run_dir = os.path.abspath(run_dir or results_dir(cfg))
+        base, cfg, self.run_dir = load_run(cfg_path, opts, run_dir)
         self.total_rounds = int(cfg.federate.total_round_num)
         self.switches, self.env, self.out = list(switches), env, out or sys.stdout
         client_cfgs = read_yaml(client_cfg) if client_cfg else {}
@@ -125,16 +146,11 @@ class LocalFederation:
                                f'{len(client_ids)})' for name in unknown])
         server_port, *client_ports = free_ports(1 + len(client_ids), host)
         server = Address(host, server_port)
-        self.parties = [Party('server', 'server', 0, server)]
-        self.parties += [Party(f'client_{k}', 'client', k, Address(host, port))
+        self.parties = [Party('server', 0, server)]
+        self.parties += [Party('client', k, Address(host, port))
                          for k, port in zip(client_ids, client_ports)]
-        folder = os.path.join(self.run_dir, LAUNCH_DIR)
         for party in self.parties:
-            entry = client_cfgs.get(party.name) if party.role == 'client' else None
-            derived = party_config(base, party.role, party.data_idx, server, party.address,
-                                   self.run_dir, copy.deepcopy(entry))
-            party.cfg_path = write_yaml(os.path.join(folder, party.name + '.yaml'), derived)
-            party.log_path = os.path.join(folder, party.name + '.log')
+            write_party_config(party, base, server, self.run_dir, client_cfgs)
 
     # -------------------------------------------------------------- processes
     def start(self, party: Party, switches: list[str] | None = None,
@@ -244,11 +260,7 @@ def _read(path: str) -> str:
 def launch_one(cfg_path: str, role: str, data_idx: int, server: Address, own: Address,
                client_cfg: str | None, opts: list[str], switches: list[str]) -> int:
     """One party of a multi-host federation, in the foreground."""
-    base = merge(read_yaml(cfg_path), parse_opts(list(opts)))
-    cfg = load_config(cfg_path, list(opts))
-    run_dir = os.path.abspath(results_dir(cfg))
-    entry = read_yaml(client_cfg).get(f'client_{data_idx}') if client_cfg and role == 'client' else None
-    name = 'server' if role == 'server' else f'client_{data_idx}'
-    derived = party_config(base, role, data_idx, server, own, run_dir, entry)
-    path = write_yaml(os.path.join(run_dir, LAUNCH_DIR, name + '.yaml'), derived)
-    return subprocess.call(party_command(path, switches))
+    base, _, run_dir = load_run(cfg_path, opts)
+    party = Party(role, data_idx, own)
+    write_party_config(party, base, server, run_dir, read_yaml(client_cfg) if client_cfg else {})
+    return subprocess.call(party_command(party.cfg_path, switches))

@@ -6,6 +6,24 @@ import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, 'yamls', 'fedavg', 'tiny.yaml')
+TESTS_DIR = os.path.join(REPO, 'tests')
+
+
+def env_with_tests(**extra) -> dict:
+    """The environment for a subprocess that imports the test-only modules (toy methods)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get('PYTHONPATH', '')]))
+    env.update(extra)
+    return env
+
+
+class CreatesFile:
+    """Creates the file `path` when unpickled: what a receiver must never do with a payload."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, 'w'))
 
 
 def deep_update(base: dict, update: dict) -> dict:

@@ -11,14 +11,7 @@ import sys
 import fs_plugins.fs.workers as workers
 from fs_plugins.cli import main
 from fs_plugins.fs.wire import MARKER, PAYLOAD
-
-
-class CreatesFile:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, 'w'))
+from helpers import CreatesFile
 
 
 def forged_update(marker: str):

@@ -15,17 +15,13 @@ import torch
 
 from fs_plugins.checkpoint import party_path
 from fs_plugins.launch import LocalFederation, party_command
-from helpers import tiny_config, write_yaml
+from helpers import TESTS_DIR, env_with_tests, tiny_config, write_yaml
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('federatedscope') is None or importlib.util.find_spec('grpc') is None,
     reason='FederatedScope (with grpcio) is not installed (install its llm branch, see README)')
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _env():
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get('PYTHONPATH', '')]))
+_env = env_with_tests
 
 
 def _config(tmp_path, name, method='fedmole', rounds=3, steps=3, clients=2, **fsplug):

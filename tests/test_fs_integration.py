@@ -18,13 +18,13 @@ from fs_plugins.config import load_config
 from fs_plugins.methods.library_reuse import LibraryMethod
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.sim.runner import run_embedded
-from helpers import deep_update, tiny_config, tiny_yaml_of, write_yaml
+from fs_plugins.launch import free_ports
+from helpers import deep_update, env_with_tests, tiny_config, tiny_yaml_of, write_yaml
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('federatedscope') is None,
     reason='FederatedScope is not installed (install its llm branch to run these, see README)')
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TOY = {'fsplug': {'import_modules': ['toy_methods'], 'toy_phased': {'first_phase_steps': 1}}}
 
 
@@ -33,10 +33,7 @@ def fs_root() -> str:
     return os.path.dirname(os.path.dirname(federatedscope.__file__))
 
 
-def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get('PYTHONPATH', '')]))
-    env.update(extra)
-    return env
+_env = env_with_tests
 
 
 def run_fs(args, timeout=300, **env):
@@ -185,16 +182,6 @@ def test_fs_saves_models_at_rounds_without_evaluation(tmp_path):
     assert load_trained(str(tmp_path / 'fs'), client=2).model is not None
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(('127.0.0.1', 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _wait_for_port(port, proc, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -221,7 +208,7 @@ def test_fs_distributed_matches_embedded(tmp_path, method):
         deep_update(base, {'fsplug': {'fedmosaic': {
             'num_blocks': 1, 'gradient_every': 2, 'alignment_dir': str(tmp_path / 'align'),
             'pivot_builder': 'tiny_llama', 'pivot_model_type': 'tiny-llama@fsplug_llm'}}})
-    server_port, *client_ports = _free_ports(3)
+    server_port, *client_ports = free_ports(3)
     procs = []
     for role, idx, port in [('server', 0, server_port), ('client', 1, client_ports[0]),
                             ('client', 2, client_ports[1])]:

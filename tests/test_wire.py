@@ -9,14 +9,7 @@ import torch
 from fs_plugins.fs.wire import (MARKER, PAYLOAD, WireError, decode_tensors, decode_update,
                                 encode_tensors, encode_update, from_blob, to_blob)
 from fs_plugins.methods.base import ClientUpdate
-
-
-class CreatesFile:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, 'w'))
+from helpers import CreatesFile
 
 
 def _update():

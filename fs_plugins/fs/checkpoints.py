@@ -19,11 +19,9 @@ from __future__ import annotations
 import logging
 
 from fs_plugins.checkpoint import (CheckpointError, check_resumable, checkpointed_rounds,
-                                   client_party, client_payload, pack, party_path, prune,
-                                   read_info, read_party, restore_client, restore_server,
-                                   rng_state, server_payload, set_rng_state, should_checkpoint,
-                                   write_packed, write_party)
-from fs_plugins.config import to_plain
+                                   client_party, client_payload, pack, party_info, party_path,
+                                   prune, read_info, read_party, restore_client, server_payload,
+                                   set_rng_state, should_checkpoint, write_packed)
 
 logger = logging.getLogger(__name__)
 
@@ -67,30 +65,12 @@ class ServerCheckpoints:
         if waiting:
             return False
         del self.pending[round_idx]
-        info = {'round': round_idx, 'rows': len(self.procedure.results.rows),
-                'config': to_plain(self.cfg)}
+        info = party_info(self.cfg, round_idx, len(self.procedure.results.rows))
         size = write_packed(party_path(self.run_dir, 'server', round_idx), skeleton, tensors, info)
         prune(self.run_dir, round_idx)
         logger.info(f'fs-plugins: checkpoint of round {round_idx} complete in '
                     f'{self.run_dir}/checkpoint (server file {size} bytes)')
         return True
-
-
-def resume_server(cfg, procedure, run_dir: str, round_idx: int) -> dict:
-    """Restores the server procedure from its file of round `round_idx`; returns the random
-    generators' state, to be restored when the run continues."""
-    payload = read_party(party_path(run_dir, 'server', round_idx), server_payload(procedure))
-    restore_server(procedure, payload)
-    return payload['rng']
-
-
-def write_client(run_dir: str, procedure, round_idx: int, with_rng: bool) -> int:
-    payload = client_payload(procedure)
-    if with_rng:
-        payload['rng'] = rng_state()
-    info = {'round': round_idx, 'config': to_plain(procedure.cfg)}
-    return write_party(party_path(run_dir, client_party(procedure.client_id), round_idx),
-                       payload, info)
 
 
 def resume_client(run_dir: str, procedure, before_round: int, with_rng: bool) -> int:
@@ -103,8 +83,7 @@ def resume_client(run_dir: str, procedure, before_round: int, with_rng: bool) ->
                               f'round {before_round}')
     path = party_path(run_dir, party, rounds[-1])
     check_resumable(procedure.cfg, read_info(path).get('config', {}))
-    target = client_payload(procedure)
-    payload = read_party(path, target)
+    payload = read_party(path, client_payload(procedure))
     restore_client(procedure, payload)
     if with_rng and 'rng' in payload:
         set_rng_state(payload['rng'])

@@ -25,11 +25,11 @@ import torch
 from federatedscope.core.message import Message
 from federatedscope.core.workers import Client, Server
 
-from fs_plugins.checkpoint import server_checkpoint_info, set_rng_state
+from fs_plugins.checkpoint import read_server, server_checkpoint_info, set_rng_state, write_client
 from fs_plugins.client import ClientProcedure
 from fs_plugins.config import Cfg, merge, to_plain
 from fs_plugins.fs.checkpoints import (CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCheckpoints,
-                                       resume_client, resume_server, write_client)
+                                       resume_client)
 from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES
 from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.fs.wire import (MARKER, WireError, decode_update, encode_tensors, encode_update,
@@ -126,13 +126,12 @@ class PluginServer(Server):
                                              checkpoint['round'] if checkpoint else -1)
         self._resumed_rng = None   # restored at the first broadcast, where the run continues
         if checkpoint:
-            self._resumed_rng = resume_server(config, self.procedure, run_dir, checkpoint['round'])
+            self._resumed_rng = read_server(run_dir, checkpoint['round'], self.procedure)
             self.models[0].load_state_dict(self.procedure.state['global'])
             logger.info(f'fs-plugins: resumed from the checkpoint of round {checkpoint["round"]} '
                         f'in {run_dir}')
         self.register_handlers(CHECKPOINTED_MSG, self.callback_funcs_for_checkpointed, [None])
-        self._round_receivers: list[int] = []
-        self._started = False
+        self._round_receivers: list[int] = []   # of the latest training round (none: not started)
         self._finish_sent = False
 
     def broadcast_model_para(self, msg_type='model_para', sample_client_num=-1,
@@ -145,7 +144,6 @@ class PluginServer(Server):
         if training and self.checkpoints.due(rounds_done=self.state):
             self._ask_checkpoint(self.state - 1)
         if training:
-            self._started = True
             receivers = self._round_receivers = self.procedure.sample(self.state, client_ids)
             if self.sampler is not None:
                 self.sampler.change_state(receivers, 'working')
@@ -189,7 +187,7 @@ class PluginServer(Server):
         round's training content if its update is still awaited (it restores its checkpoint
         when that content arrives)."""
         sender = int(message.sender)
-        rejoining = (self._started and 'info' not in message.msg_type
+        rejoining = (bool(self._round_receivers) and 'info' not in message.msg_type
                      and sender in self.comm_manager.get_neighbors())
         if not rejoining:
             return super().callback_funcs_for_join_in(message)
