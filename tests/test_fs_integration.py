@@ -4,10 +4,8 @@ runner. Skipped, with the reason, on machines without FederatedScope."""
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -182,66 +180,93 @@ def test_fs_saves_models_at_rounds_without_evaluation(tmp_path):
     assert load_trained(str(tmp_path / 'fs'), client=2).model is not None
 
 
-def _wait_for_port(port, proc, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        with socket.socket() as sock:
-            if sock.connect_ex(('127.0.0.1', port)) == 0:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f'FS server did not listen on 127.0.0.1:{port} within {timeout}s')
+def outsiders_are_refused(server_port: int, security, other_ca: str) -> str:
+    """Joins tried against a live secured server: over plaintext, with a certificate from
+    another CA, and with client 1's credentials claiming client 2; what the server should log."""
+    import grpc
+    from federatedscope.core.configs.config import global_cfg
+    from federatedscope.core.message import Message
+    from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
+    from fs_plugins.fs.secure import CredentialsRefused, comm_manager_factory
+
+    address = f'127.0.0.1:{server_port}'
+    join = Message(msg_type='join_in', sender=2, receiver=[0], state=0, timestamp=0,
+                   content={'host': '127.0.0.1', 'port': 1})
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError):
+        gRPC_comm_manager_pb2_grpc.gRPCComServeFuncStub(channel).sendMessage(
+            join.transform(), timeout=10)
+
+    def outsider(folder):
+        cfg = global_cfg.clone()
+        cfg.distribute.role = 'client'
+        cfg.fsplug.distribute.update(security.layer('client_1')['fsplug']['distribute'])
+        for key in ('tls_ca', 'tls_cert', 'tls_key', 'token_file'):
+            if cfg.fsplug.distribute.get(key):
+                cfg.fsplug.distribute[key] = os.path.join(
+                    folder, os.path.basename(cfg.fsplug.distribute[key]))
+        cfg.fsplug.distribute.connect_timeout_s = 5.0
+        manager = comm_manager_factory(cfg)(host='127.0.0.1', port=free_ports(1)[0],
+                                            client_num=1, cfg=cfg.distribute)
+        manager.add_neighbors(0, address)
+        return manager
+
+    for folder, refusal in ((other_ca, ConnectionError), (security.folder, CredentialsRefused)):
+        manager = outsider(folder)
+        try:
+            with pytest.raises(refusal):
+                manager.send(join)
+        finally:
+            manager.grpc_server.stop(0)
+    return 'refused a message claiming to come from client 2'
 
 
-@pytest.mark.parametrize('method', ['toy_phased', 'fedmole', 'fedmosaic'])
-def test_fs_distributed_matches_embedded(tmp_path, method):
-    """Server + 2 clients over gRPC on 127.0.0.1, with client-local state that persists across
-    rounds and phases (toy_phased with extra payloads; fedmole's routed experts and routers;
-    fedmosaic with the two clients on different models, each process naming the pivot);
-    bounded in time; same numbers as the embedded runner."""
+@pytest.mark.parametrize('method, secure', [('toy_phased', None), ('fedmole', 'certificate'),
+                                            ('fedmosaic', 'token')])
+def test_fs_distributed_matches_embedded(tmp_path, method, secure):
+    """Server + 2 clients launched over gRPC on 127.0.0.1 (plaintext, or TLS with clients
+    authenticated by certificate or token, outsiders refused while it runs), with client-local
+    state that persists across rounds and phases (toy_phased with extra payloads; fedmole's
+    routed experts and routers; fedmosaic with the two clients on different models, each
+    process naming the pivot); bounded in time; same numbers as the embedded runner."""
+    from fs_plugins.credentials import make_credentials
+    from fs_plugins.launch import LocalFederation
     base = tiny_config(tmp_path, method, rounds=2, steps=3,
                        federate={'client_num': 2, 'sample_client_num': 2}, data={'splitter': 'iid'})
     if method == 'toy_phased':
         deep_update(base, TOY)
     # fedmosaic: client 2 runs the wider, deeper model in its own process
-    own_model = {2: HETEROGENEOUS['client_3']} if method == 'fedmosaic' else {}
+    own_model = {'client_2': HETEROGENEOUS['client_3']} if method == 'fedmosaic' else {}
     if method == 'fedmosaic':
         deep_update(base, {'fsplug': {'fedmosaic': {
             'num_blocks': 1, 'gradient_every': 2, 'alignment_dir': str(tmp_path / 'align'),
             'pivot_builder': 'tiny_llama', 'pivot_model_type': 'tiny-llama@fsplug_llm'}}})
-    server_port, *client_ports = free_ports(3)
-    procs = []
-    for role, idx, port in [('server', 0, server_port), ('client', 1, client_ports[0]),
-                            ('client', 2, client_ports[1])]:
-        cfg = deep_update(json.loads(json.dumps(base)), own_model.get(idx, {}))
-        cfg = deep_update(cfg, {
-            'federate': {'mode': 'distributed'}, 'outdir': str(tmp_path / f'exp_{role}{idx}'),
-            'fsplug': {'results_dir': str(tmp_path / f'dist_{role}{idx}')},
-            'distribute': {'use': True, 'role': role, 'data_idx': idx,
-                           'server_host': '127.0.0.1', 'server_port': server_port,
-                           'client_host': '127.0.0.1', 'client_port': port}})
-        path = write_yaml(tmp_path / f'{role}{idx}.yaml', cfg)
-        log = open(tmp_path / f'{role}{idx}.log', 'w')  # files, not pipes: no pipe can fill up
-        procs.append(subprocess.Popen([sys.executable, 'federatedscope/main.py', '--cfg', path],
-                                      cwd=fs_root(), env=_env(), stdout=log,
-                                      stderr=subprocess.STDOUT, text=True))
-        if role == 'server':  # FS clients do not retry joining: start them once it listens
-            _wait_for_port(server_port, procs[0], timeout=120)
+    base['fsplug']['results_dir'] = str(tmp_path / 'distributed')
+    federation = LocalFederation(write_yaml(tmp_path / 'base.yaml', base),
+                                 write_yaml(tmp_path / 'clients.yaml', own_model) if own_model
+                                 else None, env=_env(), secure=secure)
+    server = federation.parties[0]
+    refused_line = None
     try:
-        for proc in procs:
-            proc.wait(timeout=240)
+        federation.start(server)
+        federation.wait_listening(server, 120)
+        if secure:
+            refused_line = outsiders_are_refused(
+                server.address.port, federation.security,
+                make_credentials(str(tmp_path / 'other_ca'), [1, 2]))
+        for party in federation.parties[1:]:
+            federation.start(party)
+        federation.follow(timeout=240)
     finally:
-        for proc in procs:
-            proc.kill()
-    outputs = [open(tmp_path / f'{name}.log').read() for name in ('server0', 'client1', 'client2')]
-    assert all(p.returncode == 0 for p in procs), outputs[0][-3000:]
-    assert outputs[0].count('Per-client results') == 1
-    assert_same_numbers(read_rows(str(tmp_path / 'dist_server0')), _embedded_rows(
-        tmp_path, base, {f'client_{i}': c for i, c in own_model.items()} or None))
+        federation.stop_all()
+    server_log = open(server.log_path).read()
+    assert server_log.count('Per-client results') == 1
+    assert ('TLS, auth ' + secure if secure else 'plaintext') in server_log
+    if refused_line:
+        assert refused_line in server_log
+    run_dir = federation.run_dir
+    assert_same_numbers(read_rows(run_dir), _embedded_rows(tmp_path, base, own_model or None))
     # the server writes the global state, each client process its own model
-    embedded = str(tmp_path / 'embedded')
-    assert_same_artifacts(str(tmp_path / 'dist_server0'), embedded, ['global'])
-    for cid in (1, 2):
-        assert_same_artifacts(str(tmp_path / f'dist_client{cid}'), embedded, [f'client_{cid}'])
+    assert_same_artifacts(run_dir, str(tmp_path / 'embedded'), ['global', 'client_1', 'client_2'])
 
 
 def test_cli_runs_through_fs(tmp_path):

@@ -1,12 +1,17 @@
 """`fs-plugins launch`'s derived per-party configs (no processes started; runs without FS).
 The launched federations themselves are in tests/test_fs_distributed.py."""
+import os
+import subprocess
+import sys
+
 import pytest
 import yaml
 
 from fs_plugins.config import load_config
 from fs_plugins.errors import ConfigError
 from fs_plugins.launch import LocalFederation, client_count
-from helpers import tiny_config, tiny_yaml_of, write_yaml
+from fs_plugins.fs.secure import read_credentials
+from helpers import REPO, tiny_config, tiny_yaml_of, write_yaml
 
 
 def _derived(party):
@@ -32,9 +37,7 @@ def test_every_party_gets_its_role_data_index_and_own_address(tmp_path):
         assert derived['distribute']['server_port'] == server_port
         assert derived['distribute']['client_port'] == party.address.port
         assert derived['fsplug']['results_dir'] == federation.run_dir
-        # each derived YAML passes the schema (distribute.* is FS's, checked by FS itself)
-        load_config(write_yaml(tmp_path / 'check.yaml', {k: v for k, v in derived.items()
-                                                         if k != 'distribute'}))
+        assert load_config(party.cfg_path).distribute.role == party.role   # passes the schema
     # client 2's --client_cfg entry goes into its own YAML only
     assert [_derived(p)['fsplug']['model'].get('lora', {}).get('r') for p in federation.parties] == \
         [8, 8, 4, 8]
@@ -72,3 +75,31 @@ def test_one_party_of_a_multi_host_federation(tmp_path, monkeypatch):
                                      'server_host': '10.0.0.1', 'server_port': 6000,
                                      'client_host': '10.0.0.9', 'client_port': 6002}
     assert derived['fsplug']['model']['lora']['r'] == 4
+
+
+@pytest.mark.parametrize('auth', ['token', 'certificate'])
+def test_a_secure_launch_gives_each_party_its_own_credentials(tmp_path, auth):
+    pytest.importorskip('cryptography')
+    cfg = tiny_config(tmp_path, 'fedavg', federate={'client_num': 2, 'sample_client_num': 2},
+                      data={'splitter': 'iid'})
+    federation = LocalFederation(write_yaml(tmp_path / 'c.yaml', cfg), secure=auth)
+    assert federation.security.folder == os.path.join(federation.run_dir, 'launch', 'credentials')
+    for party in federation.parties:
+        distribute = _derived(party)['fsplug']['distribute']
+        named = {os.path.basename(v) for k, v in distribute.items() if k != 'auth'}
+        expected = {'ca.pem', party.name + '.pem', party.name + '.key'}
+        if auth == 'token':
+            expected.add('client_tokens.yaml' if party.role == 'server' else party.name + '.token')
+        assert named == expected, party.name
+        credentials = read_credentials(load_config(party.cfg_path))
+        assert credentials.auth == auth and credentials.role == party.role
+        if auth == 'token' and party.role == 'server':
+            assert set(credentials.client_tokens) == {1, 2}
+
+
+def test_shipped_distributed_configs_are_current():
+    """yamls/<method>/distributed/ holds every registered method's tiny federation and every
+    easyvqa one, generated (each file also loads in test_config)."""
+    result = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'gen_distributed.py'),
+                             '--check'], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -84,6 +84,9 @@ def check_fs_cfg(cfg) -> None:
     if active:
         raise ConfigError([f'{key} is not supported with fsplug methods; turn it off' for key in active])
     raise_grpc_limits(cfg)
+    if str(cfg.federate.mode).lower() == 'distributed':
+        from fs_plugins.fs.secure import read_credentials
+        read_credentials(cfg)   # every credentials problem named before a port opens
     if cfg.fsplug.data.evaluate_others and 'others' not in cfg.eval.split:
         cfg.eval.split.append('others')
     # FS's monitor only accepts metrics listed in eval.metrics

@@ -18,6 +18,7 @@ What they change in FS's flow, and why:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 
@@ -32,6 +33,7 @@ from fs_plugins.fs.checkpoints import (CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerC
                                        resume_client)
 from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES
 from fs_plugins.fs.logs import share_fs_logging
+from fs_plugins.fs.secure import plugin_comm_manager
 from fs_plugins.fs.wire import (MARKER, WireError, decode_update, encode_tensors, encode_update,
                                 encoded_size)
 from fs_plugins.methods.registry import get_method_class
@@ -94,6 +96,17 @@ def check_message_size(cfg, content: dict, what: str) -> None:
                            f"at most 2047: gRPC's ceiling)")
 
 
+def _fs_worker_init(cfg):
+    """Around FS's worker __init__: in distributed mode it builds the plugin's gRPC comm
+    manager (TLS, authentication; fs_plugins.fs.secure)."""
+    return plugin_comm_manager(cfg) if _is_distributed(cfg) else contextlib.nullcontext()
+
+
+def _log_traffic(worker) -> None:
+    if hasattr(worker.comm_manager, 'summary'):
+        logger.info(f'fs-plugins: {worker.comm_manager.summary()}')
+
+
 def _torch_device(device):
     return torch.device(f'cuda:{device}' if isinstance(device, int) else device)
 
@@ -113,8 +126,9 @@ class PluginServer(Server):
         model = GlobalState(shared)
         if checkpoint:
             state = checkpoint['round'] + 1
-        super().__init__(ID, state, config, data, model, client_num, total_round_num, device,
-                         strategy, unseen_clients_id, **kwargs)
+        with _fs_worker_init(config):
+            super().__init__(ID, state, config, data, model, client_num, total_round_num,
+                             device, strategy, unseen_clients_id, **kwargs)
         run_dir = resume_dir or results_dir(config, outdir_is_final=True)
         results = ResultsLog(run_dir, run_info(config, 'federatedscope', CLIENT_NAMES),
                              overwrite=bool(config.fsplug.overwrite),
@@ -249,6 +263,7 @@ class PluginServer(Server):
             msg_type=msg_type, sender=self.ID,
             receiver=list(self.comm_manager.neighbors.keys()), state=self.state,
             timestamp=self.cur_timestamp, content={MARKER: 1}))
+        _log_traffic(self)
         summary = self.procedure.results.close()
         print(f'\nPer-client results ({self._cfg.fsplug.method}, FederatedScope '
               f'{self._cfg.federate.mode}, seed {self._cfg.seed}):\n{summary}\n'
@@ -263,8 +278,9 @@ class PluginClient(Client):
         share_fs_logging()
         method = get_method_class(config.fsplug.method)(config)
         built = build_model(config, method)
-        super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
-                         is_unseen_client, *args, **kwargs)
+        with _fs_worker_init(config):
+            super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
+                             is_unseen_client, *args, **kwargs)
         procedure = ClientProcedure(self.ID, config, method, built, data, _torch_device(device))
         resume_dir = str(config.fsplug.checkpoint.resume_from)
         self.run_dir = resume_dir or results_dir(config, outdir_is_final=True)
@@ -323,3 +339,8 @@ class PluginClient(Client):
             timestamp=self._gen_timestamp(init_timestamp=message.timestamp,
                                           instance_number=update.num_samples),
             content=(update.num_samples, encoded)))
+
+    def callback_funcs_for_finish(self, message):
+        result = super().callback_funcs_for_finish(message)
+        _log_traffic(self)
+        return result

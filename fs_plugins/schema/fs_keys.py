@@ -100,6 +100,29 @@ class LlmKeys:
 
 
 @dataclass
+class DistributeKeys:
+    """FS's distributed mode (gRPC); `fs-plugins launch` writes them for each party."""
+    use: bool = option(False, 'FS distributed mode: on')
+    role: str = option('client', 'this party', choices=('server', 'client'))
+    data_idx: int = option(-1, "client k's data (1 .. client_num); also its id with fsplug "
+                               'methods', ge=-1)
+    server_host: str = option('0.0.0.0', 'the address the server listens on / clients reach it at')
+    server_port: int = option(50050, "the server's port", ge=1, le=65535)
+    client_host: str = option('0.0.0.0', "this client's address, which the server reaches")
+    client_port: int = option(50050, "this client's port", ge=1, le=65535)
+    data_file: str = option('data', "FS's centralised data file (unused by fsplug data)")
+    grpc_max_send_message_length: int = option(300 * 1024 * 1024, 'bytes (raised to '
+                                                                   'fsplug.distribute.'
+                                                                   'max_message_mb)', ge=1)
+    grpc_max_receive_message_length: int = option(300 * 1024 * 1024, 'bytes (raised to '
+                                                                      'fsplug.distribute.'
+                                                                      'max_message_mb)', ge=1)
+    grpc_enable_http_proxy: bool = option(False, 'let gRPC use an HTTP proxy')
+    grpc_compression: str = option('nocompression', 'gRPC message compression',
+                                   choices=('nocompression', 'deflate', 'gzip'))
+
+
+@dataclass
 class FSKeys:
     seed: int = option(0, 'run seed: the same YAML and seed give the same numbers')
     expname: str = option('', 'experiment name (results folder)')
@@ -116,3 +139,4 @@ class FSKeys:
     grad: GradKeys = section(GradKeys, 'gradient processing')
     eval: EvalKeys = section(EvalKeys, 'evaluation schedule')
     llm: LlmKeys = section(LlmKeys, 'FS-LLM settings')
+    distribute: DistributeKeys = section(DistributeKeys, "FS's distributed mode (FS only)")

@@ -270,6 +270,24 @@ class DistributeOptions:
                                        "lower (FS's 300 MB default refuses e.g. a LLaVA-7B r=128 "
                                        "update once encoded); 2047 is gRPC's own ceiling",
                                  ge=1, le=2047)
+    tls_ca: str = option('', 'FS distributed mode: the CA certificate (PEM) that signed every '
+                             "party's certificate; with tls_cert and tls_key, every gRPC port "
+                             "and channel uses TLS and checks the peer's certificate against it")
+    tls_cert: str = option('', "this party's certificate (PEM): served on its port and presented "
+                               'when it connects to another party; its subject alternative names '
+                               'must include the host the others reach it at')
+    tls_key: str = option('', "this party's private key (PEM)")
+    auth: str = option('none', 'who may send: none (anyone who reaches the port); token (client k '
+                               'and the server share a secret, sent with every message); '
+                               "certificate (mutual TLS; a certificate's common name is 'server' "
+                               "or 'client_<k>'); token and certificate need TLS",
+                       choices=('none', 'token', 'certificate'))
+    client_tokens: str = option('', "auth: token, the server: a YAML file mapping each client id "
+                                    'to its token')
+    token_file: str = option('', "auth: token, client k: the file holding client k's token")
+    connect_timeout_s: float = option(120.0, 'FS distributed mode: how long a client retries a '
+                                             'server it cannot reach (it may start first) before '
+                                             'it fails naming the address', gt=0)
 
 
 @dataclass

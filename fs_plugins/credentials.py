@@ -1,0 +1,122 @@
+"""`fs-plugins credentials`: a CA, one certificate and key per party, and client tokens for
+FS distributed mode with `fsplug.distribute.tls_*` and `auth` (fs_plugins.fs.secure).
+
+Files in the output folder (keys and tokens readable by the owner only):
+- ca.pem: every party's `tls_ca`; ca.key signs more certificates and stays with whoever
+  runs the federation;
+- server.pem / server.key and client_<k>.pem / client_<k>.key: each party's `tls_cert` /
+  `tls_key`; common name 'server' or 'client_<k>' (what `auth: certificate` checks), subject
+  alternative names the `hosts` given (the addresses the parties reach each other at);
+- client_tokens.yaml: the server's `client_tokens`; client_<k>.token: client k's `token_file`.
+What each party needs on disk is `party_files` of its name.
+"""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import secrets
+
+CA_NAME = 'fs-plugins federation CA'
+
+
+def _key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _name(common_name: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _alt_names(hosts):
+    from cryptography import x509
+    names = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(names)
+
+
+def issue_certificate(common_name: str, hosts, ca_key=None, ca_cert=None, days: int = 365):
+    """(key, certificate): signed by (ca_key, ca_cert), or a self-signed CA when they are None."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    key = _key()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    is_ca = ca_key is None
+    builder = (x509.CertificateBuilder()
+               .subject_name(_name(common_name))
+               .issuer_name(_name(common_name) if is_ca else ca_cert.subject)
+               .public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
+    if not is_ca:
+        builder = builder.add_extension(_alt_names(hosts), critical=False)
+    return key, builder.sign(key if is_ca else ca_key, hashes.SHA256())
+
+
+def _write(path: str, data: bytes, private: bool = False) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, 'wb') as handle:
+        handle.write(data)
+
+
+def _pem(key=None, cert=None) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+    if cert is not None:
+        return cert.public_bytes(serialization.Encoding.PEM)
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def make_credentials(out_dir: str, client_ids, hosts=('127.0.0.1', 'localhost'),
+                     days: int = 365) -> str:
+    """Writes the CA, every party's certificate and key, and the client tokens to `out_dir`."""
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        raise RuntimeError("fs-plugins credentials needs the 'cryptography' package "
+                           '(pip install cryptography)') from None
+    import yaml
+    os.makedirs(out_dir, exist_ok=True)
+    ca_key, ca_cert = issue_certificate(CA_NAME, hosts, days=days)
+    _write(os.path.join(out_dir, 'ca.pem'), _pem(cert=ca_cert))
+    _write(os.path.join(out_dir, 'ca.key'), _pem(key=ca_key), private=True)
+    for name in ['server'] + [f'client_{k}' for k in client_ids]:
+        key, cert = issue_certificate(name, hosts, ca_key, ca_cert, days)
+        _write(os.path.join(out_dir, name + '.pem'), _pem(cert=cert))
+        _write(os.path.join(out_dir, name + '.key'), _pem(key=key), private=True)
+    tokens = {int(k): secrets.token_urlsafe(32) for k in client_ids}
+    _write(os.path.join(out_dir, 'client_tokens.yaml'),
+           yaml.safe_dump(tokens).encode(), private=True)
+    for k, token in tokens.items():
+        _write(os.path.join(out_dir, f'client_{k}.token'), token.encode(), private=True)
+    return out_dir
+
+
+def party_files(name: str, auth: str) -> list[str]:
+    """The files of a credentials folder party `name` ('server', 'client_<k>') needs."""
+    files = ['ca.pem', f'{name}.pem', f'{name}.key']
+    if auth == 'token':
+        files.append('client_tokens.yaml' if name == 'server' else f'{name}.token')
+    return files
+
+
+def party_distribute(folder: str, name: str, auth: str) -> dict:
+    """`fsplug.distribute` of party `name` with the credentials in `folder`."""
+    folder = os.path.abspath(folder)
+    layer = {'tls_ca': os.path.join(folder, 'ca.pem'),
+             'tls_cert': os.path.join(folder, f'{name}.pem'),
+             'tls_key': os.path.join(folder, f'{name}.key'), 'auth': auth}
+    if auth == 'token':
+        key, file = (('client_tokens', 'client_tokens.yaml') if name == 'server'
+                     else ('token_file', f'{name}.token'))
+        layer[key] = os.path.join(folder, file)
+    return layer

@@ -1,0 +1,372 @@
+"""FS distributed mode through the plugin's own gRPC comm manager: TLS, client authentication,
+one reused channel per peer, a receive that sleeps instead of spinning, and failures that name
+the party.
+
+FS's `gRPCCommManager` listens on an insecure port and opens a plaintext channel for every
+message, so anyone who reaches a port can join as any client or send under any id. The
+plugin's workers construct `PluginCommManager` instead: FS's class name is swapped in FS's
+worker modules only while FS's Server/Client `__init__` runs (`plugin_comm_manager`), so FS is
+not edited and no insecure port opens when TLS is configured.
+
+Who may send (`fsplug.distribute.auth`); every FS message names its sender:
+- token: client k and the server share a secret (the server's `client_tokens` file, client k's
+  `token_file`), carried as gRPC metadata with every message: client k sends its own, the
+  server sends client k's to client k. The server accepts a message from sender k only with
+  k's token; a client accepts only messages from the server (id 0) with its own token.
+- certificate: mutual TLS; the sender's certificate common name must be 'server' for id 0 and
+  'client_<k>' for id k.
+A refused message is dropped before FS sees it (a warning on the receiver); the sender gets
+UNAUTHENTICATED and fails with the reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from fs_plugins.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TOKEN_METADATA = 'fsplug-token'
+SERVER_ID = 0
+MIN_TOKEN_CHARS = 16
+LOOPBACK = ('127.0.0.1', 'localhost', '::1')
+RETRY_S = 1.0
+
+
+@dataclass
+class Credentials:
+    role: str                                        # 'server' or 'client'
+    auth: str = 'none'                               # 'none', 'token' or 'certificate'
+    tls: tuple[bytes, bytes, bytes] | None = None    # (CA, this party's certificate, its key)
+    own_token: str = ''                              # a client's
+    client_tokens: dict[int, str] = field(default_factory=dict)   # the server's
+
+    def describe(self) -> str:
+        return ('TLS' if self.tls else 'plaintext') + (f', auth {self.auth}'
+                                                       if self.auth != 'none' else '')
+
+
+def party_name(party_id: int) -> str:
+    return 'the server' if party_id == SERVER_ID else f'client {party_id}'
+
+
+# ------------------------------------------------------------------ reading and checking
+def read_credentials(cfg) -> Credentials:
+    """The credentials `fsplug.distribute` names for this party (FS's distribute.role); every
+    problem (a missing key, an unreadable file, a short token) at once, naming key and path."""
+    opts, role = cfg.fsplug.distribute, str(cfg.distribute.role)
+    problems: list[str] = []
+    tls_keys = ('tls_ca', 'tls_cert', 'tls_key')
+    given = [key for key in tls_keys if opts[key]]
+    if given and len(given) < len(tls_keys):
+        problems += [f'fsplug.distribute.{key}: needed with {", ".join(given)} (TLS takes the CA, '
+                     f"this party's certificate and its key)" for key in tls_keys if key not in given]
+    if opts.auth != 'none' and not given:
+        problems.append(f'fsplug.distribute.auth: {opts.auth} needs TLS (tls_ca, tls_cert, '
+                        f'tls_key); without it {opts.auth}s would travel in the clear')
+    files = [_read_file(f'fsplug.distribute.{key}', opts[key], problems) for key in given]
+    credentials = Credentials(role, str(opts.auth), tuple(files) if len(given) == 3 else None)
+    if opts.auth == 'token':
+        if role == 'server':
+            credentials.client_tokens = _read_client_tokens(opts.client_tokens, problems)
+        else:
+            credentials.own_token = _read_own_token(opts.token_file, problems)
+    if problems:
+        raise ConfigError(problems)
+    return credentials
+
+
+def _read_file(key: str, path: str, problems: list[str]) -> bytes:
+    try:
+        with open(path, 'rb') as handle:
+            return handle.read()
+    except OSError as exc:
+        problems.append(f'{key}: cannot read {path!r} ({exc.strerror or exc})')
+        return b''
+
+
+def _check_token(token: str, where: str, problems: list[str]) -> str:
+    if len(token) < MIN_TOKEN_CHARS:
+        problems.append(f'{where}: the token has {len(token)} characters; at least '
+                        f'{MIN_TOKEN_CHARS} are needed (fs-plugins credentials makes 43)')
+    return token
+
+
+def _read_own_token(path: str, problems: list[str]) -> str:
+    key = 'fsplug.distribute.token_file'
+    if not path:
+        problems.append(f'{key}: a client needs its token file with auth: token')
+        return ''
+    known = len(problems)
+    text = _read_file(key, path, problems).decode('utf-8', errors='replace').strip()
+    return _check_token(text, f'{key} ({path})', problems) if len(problems) == known else ''
+
+
+def _read_client_tokens(path: str, problems: list[str]) -> dict[int, str]:
+    import yaml
+    key = 'fsplug.distribute.client_tokens'
+    if not path:
+        problems.append(f'{key}: the server needs the clients\' tokens with auth: token')
+        return {}
+    raw = _read_file(key, path, problems)
+    try:
+        entries = yaml.safe_load(raw) if raw else {}
+    except yaml.YAMLError as exc:
+        problems.append(f'{key}: {path!r} is not YAML ({exc})')
+        return {}
+    if not isinstance(entries, dict):
+        problems.append(f'{key}: {path!r} must map client ids to tokens (e.g. "1: <token>")')
+        return {}
+    tokens = {}
+    for client, token in entries.items():
+        if not isinstance(client, int) or client < 1 or not isinstance(token, str):
+            problems.append(f'{key}: {path!r}: entry {client!r} must be a client id >= 1 '
+                            f'mapped to a token string')
+            continue
+        tokens[client] = _check_token(token.strip(), f'{key} ({path}), client {client}', problems)
+    return tokens
+
+
+# ------------------------------------------------------------------ the check on receipt
+def refusal(credentials: Credentials, sender, token: str, common_name: str) -> str | None:
+    """Why this party refuses a message claiming to come from `sender` (None: accepted).
+    `token`: the gRPC metadata sent with it; `common_name`: of the peer's TLS certificate."""
+    if credentials.auth == 'none':
+        return None
+    if not isinstance(sender, int):
+        return f'the message has no sender id ({sender!r})'
+    if credentials.role == 'client' and sender != SERVER_ID:
+        return f'it claims {party_name(sender)}; a client accepts messages from the server only'
+    if credentials.role == 'server' and sender < 1:
+        return (f'sender id {sender}: with fsplug.distribute.auth a client sends under its own '
+                f'id (distribute.data_idx >= 1)')
+    if credentials.auth == 'token':
+        expected = (credentials.own_token if credentials.role == 'client'
+                    else credentials.client_tokens.get(sender))
+        if expected is None:
+            return f'fsplug.distribute.client_tokens has no token for client {sender}'
+        if not token:
+            return 'no token was sent'
+        if not hmac.compare_digest(token.encode(), expected.encode()):
+            return f"the token is not {party_name(sender)}'s"
+    if credentials.auth == 'certificate':
+        expected_name = 'server' if sender == SERVER_ID else f'client_{sender}'
+        if common_name != expected_name:
+            return (f"it claims {party_name(sender)} but the certificate's common name is "
+                    f'{common_name!r}, not {expected_name!r}')
+    return None
+
+
+# ------------------------------------------------------------------ gRPC
+def _grpc_parts():
+    import grpc
+    from federatedscope.core.communication import gRPCCommManager
+    from federatedscope.core.gRPC_server import gRPCComServeFunc
+    from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
+    return grpc, gRPCCommManager, gRPCComServeFunc, gRPC_comm_manager_pb2_grpc
+
+
+def _sender_of(request):
+    from federatedscope.core.message import Message
+    try:
+        return int(Message()._parse_msg(request.msg['sender']))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _metadata_value(context, key: str) -> str:
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return value if isinstance(value, str) else value.decode('utf-8', errors='replace')
+    return ''
+
+
+def _common_name(context) -> str:
+    names = (context.auth_context() or {}).get('x509_common_name') or [b'']
+    return names[0].decode('utf-8', errors='replace')
+
+
+class CredentialsRefused(RuntimeError):
+    """Another party refused this party's message: the reason is in the text."""
+
+
+def _make_classes():
+    grpc, fs_comm_manager, fs_serve_func, pb2_grpc = _grpc_parts()
+
+    class CheckedServeFunc(fs_serve_func):
+        """FS's receiving servicer; a message is queued only when its sender's credentials
+        match (`refusal`). `receive` sleeps until one arrives: FS's spins, a whole CPU core
+        per waiting process, which the training processes of a one-machine federation need."""
+
+        def __init__(self, credentials: Credentials):
+            super().__init__()
+            self.credentials = credentials
+            self.refused = 0
+            self._arrived = threading.Condition()
+
+        def receive(self):
+            with self._arrived:
+                self._arrived.wait_for(lambda: self.msg_queue)
+                return self.msg_queue.popleft()
+
+        def sendMessage(self, request, context):
+            sender = _sender_of(request)
+            reason = refusal(self.credentials, sender, _metadata_value(context, TOKEN_METADATA),
+                             _common_name(context))
+            if reason:
+                self.refused += 1
+                logger.warning(f'fsplug: refused a message claiming to come from '
+                               f'{party_name(sender) if isinstance(sender, int) else "?"} '
+                               f'(peer {context.peer()}): {reason}')
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+            with self._arrived:
+                response = super().sendMessage(request, context)
+                self._arrived.notify()
+            return response
+
+    class PluginCommManager(fs_comm_manager):
+        """FS's gRPCCommManager with TLS and authentication (`Credentials`), one channel per
+        peer kept open, byte counts, and errors that name the party: a client that cannot
+        reach the server retries for connect_timeout_s, then fails; a refused message fails
+        its sender; a server that cannot reach a client warns and goes on (as FS: the client
+        may rejoin)."""
+
+        def __init__(self, credentials: Credentials, connect_timeout_s: float,
+                     host='0.0.0.0', port='50050', client_num=2, cfg=None):
+            self.credentials = credentials
+            self.connect_timeout_s = connect_timeout_s
+            self._channels: dict = {}
+            self._channel_options = [
+                ('grpc.max_send_message_length', cfg.grpc_max_send_message_length),
+                ('grpc.max_receive_message_length', cfg.grpc_max_receive_message_length),
+                ('grpc.enable_http_proxy', 0)]
+            self.sent_messages = self.sent_bytes = 0
+            super().__init__(host=host, port=port, client_num=client_num, cfg=cfg)
+            if credentials.auth == 'none' and str(host) not in LOOPBACK:
+                logger.warning(f'fsplug: {host}:{port} listens without client authentication '
+                               f'({credentials.describe()}): any process that reaches it can '
+                               f'send under any id (set fsplug.distribute.auth; README: '
+                               f'Running across machines)')
+
+        def serve(self, max_workers, host, port, options):
+            from concurrent import futures
+            self.server_funcs = CheckedServeFunc(self.credentials)
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                 compression=self.comp_method, options=options)
+            pb2_grpc.add_gRPCComServeFuncServicer_to_server(self.server_funcs, server)
+            address = f'{host}:{port}'
+            if self.credentials.tls:
+                ca, cert, key = self.credentials.tls
+                server.add_secure_port(address, grpc.ssl_server_credentials(
+                    [(key, cert)], root_certificates=ca,
+                    require_client_auth=self.credentials.auth == 'certificate'))
+            else:
+                server.add_insecure_port(address)
+            server.start()
+            return server
+
+        def send(self, message):
+            receivers = message.receiver
+            if receivers is None:
+                receivers = list(self.neighbors)
+            elif not isinstance(receivers, list):
+                receivers = [receivers]
+            request = message.transform(to_list=True)
+            for receiver in receivers:
+                if receiver in self.neighbors:
+                    self._deliver(receiver, request, message.msg_type)
+
+        def _deliver(self, receiver, request, msg_type: str) -> None:
+            address = self.neighbors[receiver]
+            metadata = self._metadata(receiver)
+            retry_until = time.monotonic() + (self.connect_timeout_s
+                                              if self.credentials.role == 'client' else 0)
+            while True:
+                try:
+                    self._stub(address).sendMessage(request, metadata=metadata)
+                    self.sent_messages += 1
+                    self.sent_bytes += request.ByteSize()
+                    return
+                except grpc.RpcError as error:
+                    self._close_channel(address)
+                    what = f"{party_name(receiver)} at {address}"
+                    if error.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                        grpc.StatusCode.PERMISSION_DENIED):
+                        raise CredentialsRefused(f'fsplug: {what} refused the {msg_type!r} '
+                                                 f'message: {error.details()}') from None
+                    handshake = 'handshake' in str(error.details()).lower() or \
+                        'ssl' in str(error.details()).lower()
+                    if error.code() == grpc.StatusCode.UNAVAILABLE and not handshake and \
+                            time.monotonic() < retry_until:
+                        time.sleep(RETRY_S)
+                        continue
+                    reason = f'{error.code().name}: {error.details()}'
+                    if self.credentials.role == 'client':
+                        raise ConnectionError(f'fsplug: cannot deliver {msg_type!r} to {what} '
+                                              f'({reason}); check the address and, with TLS, '
+                                              f'fsplug.distribute.tls_*') from None
+                    logger.warning(f'fsplug: {msg_type!r} not delivered to {what} ({reason})')
+                    return
+
+        def _metadata(self, receiver) -> tuple:
+            if self.credentials.auth != 'token':
+                return ()
+            token = (self.credentials.own_token if self.credentials.role == 'client'
+                     else self.credentials.client_tokens.get(receiver, ''))
+            return ((TOKEN_METADATA, token),)
+
+        def _stub(self, address: str):
+            if address not in self._channels:
+                if self.credentials.tls:
+                    ca, cert, key = self.credentials.tls
+                    channel = grpc.secure_channel(
+                        address, grpc.ssl_channel_credentials(ca, key, cert),
+                        options=self._channel_options, compression=self.comp_method)
+                else:
+                    channel = grpc.insecure_channel(address, options=self._channel_options,
+                                                    compression=self.comp_method)
+                self._channels[address] = (pb2_grpc.gRPCComServeFuncStub(channel), channel)
+            return self._channels[address][0]
+
+        def _close_channel(self, address: str) -> None:
+            stub_and_channel = self._channels.pop(address, None)
+            if stub_and_channel:
+                stub_and_channel[1].close()
+
+        def summary(self) -> str:
+            return (f'sent {self.sent_messages} messages, {self.sent_bytes} bytes '
+                    f'({self.credentials.describe()}); refused {self.server_funcs.refused}')
+
+    return CheckedServeFunc, PluginCommManager
+
+
+@functools.lru_cache(maxsize=1)
+def comm_classes():
+    """(CheckedServeFunc, PluginCommManager), built on FS's classes (imported on first use)."""
+    return _make_classes()
+
+
+def comm_manager_factory(cfg):
+    """What FS's workers call instead of gRPCCommManager(host=, port=, client_num=, cfg=)."""
+    return functools.partial(comm_classes()[1], read_credentials(cfg),
+                             float(cfg.fsplug.distribute.connect_timeout_s))
+
+
+@contextlib.contextmanager
+def plugin_comm_manager(cfg):
+    """While FS's Server/Client __init__ runs, its gRPCCommManager is the plugin's."""
+    import federatedscope.core.workers.client as fs_client
+    import federatedscope.core.workers.server as fs_server
+    factory = comm_manager_factory(cfg)
+    saved = fs_server.gRPCCommManager, fs_client.gRPCCommManager
+    fs_server.gRPCCommManager = fs_client.gRPCCommManager = factory
+    try:
+        yield
+    finally:
+        fs_server.gRPCCommManager, fs_client.gRPCCommManager = saved

@@ -1,0 +1,160 @@
+"""TLS and client authentication on FS's gRPC (fs_plugins.fs.secure), with certificates
+generated in the test, on 127.0.0.1. Skipped, with the reason, where FederatedScope (and its
+gRPC) is not installed."""
+import importlib.util
+import os
+
+import pytest
+
+from fs_plugins.credentials import make_credentials
+from fs_plugins.launch import free_ports
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec('federatedscope') is None or importlib.util.find_spec('grpc') is None,
+    reason='FederatedScope (with grpcio) is not installed (install its llm branch, see README)')
+
+
+@pytest.fixture(scope='module')
+def creds(tmp_path_factory):
+    return make_credentials(str(tmp_path_factory.mktemp('creds')), [1, 2])
+
+
+@pytest.fixture(scope='module')
+def other_ca(tmp_path_factory):
+    return make_credentials(str(tmp_path_factory.mktemp('other')), [1, 2])
+
+
+def _read(folder, name):
+    with open(os.path.join(folder, name), 'rb') as handle:
+        return handle.read()
+
+
+def _credentials(folder, name, auth, token_of=None):
+    import yaml
+
+    from fs_plugins.fs.secure import Credentials
+    tls = (_read(folder, 'ca.pem'), _read(folder, name + '.pem'), _read(folder, name + '.key'))
+    if name == 'server':
+        tokens = yaml.safe_load(_read(folder, 'client_tokens.yaml')) if auth == 'token' else {}
+        return Credentials('server', auth, tls, client_tokens=tokens)
+    own = _read(folder, f'{token_of or name}.token').decode() if auth == 'token' else ''
+    return Credentials('client', auth, tls, own_token=own)
+
+
+class Parties:
+    """Plugin comm managers on 127.0.0.1, stopped at the end of the test."""
+
+    def __init__(self):
+        from federatedscope.core.configs.config import global_cfg
+        self.cfg = global_cfg.clone().distribute
+        self.managers = []
+
+    def make(self, credentials, server=None):
+        from fs_plugins.fs.secure import comm_classes
+        manager = comm_classes()[1](credentials, 3.0, host='127.0.0.1', port=free_ports(1)[0],
+                                    client_num=2, cfg=self.cfg)
+        self.managers.append(manager)
+        if server is not None:
+            manager.add_neighbors(0, f'127.0.0.1:{server.port}')
+        return manager
+
+    def close(self):
+        for manager in self.managers:
+            manager.grpc_server.stop(0)
+
+
+@pytest.fixture
+def parties():
+    made = Parties()
+    yield made
+    made.close()
+
+
+def _message(sender, receiver, msg_type='join_in', content='x'):
+    from federatedscope.core.message import Message
+    return Message(msg_type=msg_type, sender=sender, receiver=[receiver], state=0, timestamp=0,
+                   content=content)
+
+
+def _queued(manager) -> int:
+    return len(manager.server_funcs.msg_queue)
+
+
+@pytest.mark.parametrize('auth', ['token', 'certificate'])
+def test_authenticated_parties_exchange_messages(parties, creds, auth):
+    server = parties.make(_credentials(creds, 'server', auth))
+    client = parties.make(_credentials(creds, 'client_1', auth), server)
+    client.send(_message(1, 0, content={'host': '127.0.0.1', 'port': client.port}))
+    joined = server.receive()
+    assert (joined.msg_type, joined.sender) == ('join_in', 1)
+    server.add_neighbors(1, joined.content)
+    server.send(_message(0, 1, msg_type='model_para'))
+    assert client.receive().msg_type == 'model_para'
+    assert server.sent_messages == client.sent_messages == 1
+    assert server.server_funcs.refused == client.server_funcs.refused == 0
+
+
+@pytest.mark.parametrize('auth', ['token', 'certificate'])
+def test_a_client_cannot_send_under_another_id(parties, creds, auth):
+    from fs_plugins.fs.secure import CredentialsRefused
+    server = parties.make(_credentials(creds, 'server', auth))
+    client_1 = parties.make(_credentials(creds, 'client_1', auth), server)
+    expected = "token is not client 2's" if auth == 'token' else \
+        "common name is 'client_1', not 'client_2'"
+    with pytest.raises(CredentialsRefused, match=expected):
+        client_1.send(_message(2, 0))
+    assert _queued(server) == 0 and server.server_funcs.refused == 1
+
+
+def test_a_wrong_token_is_refused_before_joining(parties, creds):
+    from fs_plugins.fs.secure import CredentialsRefused
+    server = parties.make(_credentials(creds, 'server', 'token'))
+    # client 1's certificate (TLS passes) with client 2's token
+    impostor = parties.make(_credentials(creds, 'client_1', 'token', token_of='client_2'), server)
+    with pytest.raises(CredentialsRefused, match="token is not client 1's"):
+        impostor.send(_message(1, 0))
+    assert _queued(server) == 0
+
+
+def test_clients_accept_only_the_server(parties, creds):
+    from fs_plugins.fs.secure import CredentialsRefused
+    client_1 = parties.make(_credentials(creds, 'client_1', 'token'))
+    client_2 = parties.make(_credentials(creds, 'client_2', 'token'))
+    client_2.add_neighbors(1, f'127.0.0.1:{client_1.port}')
+    with pytest.raises(CredentialsRefused, match='accepts messages from the server only'):
+        client_2.send(_message(2, 1, msg_type='model_para'))
+    with pytest.raises(CredentialsRefused, match="token is not the server's"):
+        client_2.send(_message(0, 1, msg_type='model_para'))   # posing as the server
+    assert _queued(client_1) == 0
+
+
+@pytest.mark.parametrize('auth', ['token', 'certificate'])
+def test_a_certificate_from_another_ca_fails_the_handshake(parties, creds, other_ca, auth):
+    server = parties.make(_credentials(creds, 'server', auth))
+    outsider = parties.make(_credentials(other_ca, 'client_1', auth), server)
+    with pytest.raises(ConnectionError, match='(?i)handshake failed'):
+        outsider.send(_message(1, 0))
+    assert _queued(server) == 0
+
+
+@pytest.mark.parametrize('channel', ['plaintext', 'tls without a client certificate'])
+def test_unauthenticated_channels_are_refused(parties, creds, channel):
+    import grpc
+    from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
+    server = parties.make(_credentials(creds, 'server', 'certificate'))
+    address = f'127.0.0.1:{server.port}'
+    opened = grpc.insecure_channel(address) if channel == 'plaintext' else \
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(_read(creds, 'ca.pem')))
+    stub = gRPC_comm_manager_pb2_grpc.gRPCComServeFuncStub(opened)
+    with pytest.raises(grpc.RpcError) as error:
+        stub.sendMessage(_message(1, 0).transform(), timeout=10)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    opened.close()
+    assert _queued(server) == 0
+
+
+def test_an_unreachable_server_fails_the_client_after_its_timeout(parties, creds):
+    client = parties.make(_credentials(creds, 'client_1', 'token'))
+    client.add_neighbors(0, f'127.0.0.1:{free_ports(1)[0]}')   # nobody listens there
+    with pytest.raises(ConnectionError, match=r"cannot deliver 'join_in' to the server at"):
+        client.send(_message(1, 0))
