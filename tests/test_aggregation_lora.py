@@ -455,3 +455,90 @@ def test_fedex_residual_matches_naive(K, weights):
             assert float(expected.abs().max()) < 1e-12
         else:
             assert float(expected.abs().max()) > 1e-1     # a non-trivial residual is checked
+
+
+# ------------------------------------------------------------------------------ FLoRA, FRLoRA
+
+def _naive_weighted_products(As, Bs, weights, scales):
+    """Σ_k p_k s_k B_k A_k entry by entry in float64."""
+    total = sum(float(w) for w in weights)
+    d_out, d_in = Bs[0].shape[0], As[0].shape[1]
+    out = torch.zeros(d_out, d_in, dtype=torch.float64)
+    for i in range(d_out):
+        for j in range(d_in):
+            out[i, j] = sum(float(w) / total * s * float(B[i].double() @ A[:, j].double())
+                            for w, s, A, B in zip(weights, scales, As, Bs))
+    return out
+
+
+@pytest.mark.parametrize('ranks, weights, scales', [([4], [2.0], [2.0]),
+                                                    ([8, 4, 2], [1, 2, 3], [2.0, 4.0, 8.0]),
+                                                    ([3, 3], [5, 0], [1.0, 1.0])])
+def test_flora_stack_is_the_exact_weighted_sum_at_any_ranks(ranks, weights, scales):
+    from fs_plugins.aggregation.lora import flora_stack
+    for d_in, d_out in SHAPES:
+        As, Bs = _clients(len(ranks), ranks, d_in, d_out, seed=sum(ranks) + d_out)
+        A, B = flora_stack(As, Bs, weights, scales)
+        assert A.shape == (sum(ranks), d_in) and B.shape == (d_out, sum(ranks))
+        torch.testing.assert_close((B.double() @ A.double()),
+                                   _naive_weighted_products(As, Bs, weights, scales),
+                                   rtol=1e-4, atol=1e-4)
+        # B is the plain concatenation: p_k s_k goes on A
+        assert torch.equal(B[:, :ranks[0]], Bs[0])
+
+
+def test_flora_stack_names_a_mismatched_client():
+    from fs_plugins.aggregation.lora import flora_stack
+    As, Bs = _clients(2, [4, 2], 8, 6)
+    with pytest.raises(ValueError, match='client 1: A has shape'):
+        flora_stack(As, [Bs[0], torch.zeros(6, 3)], [1, 1])
+    with pytest.raises(ValueError, match='2 scales for 1 clients|1 scales for 2 clients'):
+        flora_stack(As, Bs, [1, 1], [1.0])
+
+
+@pytest.mark.parametrize('rank, scale', [(1, 1.0), (4, 2.0), (6, 0.5)])
+def test_principal_factors_are_the_scaled_top_r_svd(rank, scale):
+    from fs_plugins.aggregation.lora import principal_factors
+    gen = torch.Generator().manual_seed(rank)
+    W = torch.randn(12, 9, generator=gen)
+    A0, B0 = principal_factors(W, rank, scale)
+    assert A0.shape == (rank, 9) and B0.shape == (12, rank)
+    U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    top = U[:, :rank] @ torch.diag(S[:rank]) @ Vh[:rank]
+    torch.testing.assert_close(scale * (B0.double() @ A0.double()), top, rtol=1e-5, atol=1e-5)
+    # the residual W − s B0 A0 holds exactly the other singular values
+    rest = torch.linalg.svdvals((W.double() - scale * B0.double() @ A0.double()))
+    torch.testing.assert_close(rest[:9 - rank], S[rank:], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match='rank 10 exceeds the weight shape'):
+        principal_factors(W, 10, scale)
+
+
+@pytest.mark.parametrize('exact', [False, True])
+def test_frlora_step_matches_naive(exact):
+    from fs_plugins.aggregation.lora import frlora_step
+    weights = [3, 1, 2]
+    for d_in, d_out in SHAPES:
+        As, Bs = _clients(3, 4, d_in, d_out, seed=d_in)
+        (A0,), (B0,) = _clients(1, 4, d_in, d_out, seed=99)
+        p = [w / sum(weights) for w in weights]
+        if exact:
+            product = _naive_weighted_products(As, Bs, weights, [1.0] * 3)
+        else:
+            product = sum(pk * B.double() for pk, B in zip(p, Bs)) @ \
+                sum(pk * A.double() for pk, A in zip(p, As))
+        expected = product - B0.double() @ A0.double()
+        step = frlora_step(As, Bs, weights, A0, B0, exact=exact)
+        assert step.dtype == torch.float32
+        torch.testing.assert_close(step.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_frlora_products_coincide_when_a_is_frozen():
+    from fs_plugins.aggregation.lora import frlora_step
+    As, Bs = _clients(3, 4, 24, 16, seed=3)
+    (A0,), (B0,) = _clients(1, 4, 24, 16, seed=4)
+    frozen = [A0.clone() for _ in As]
+    torch.testing.assert_close(frlora_step(frozen, Bs, [1, 2, 3], A0, B0),
+                               frlora_step(frozen, Bs, [1, 2, 3], A0, B0, exact=True),
+                               rtol=1e-5, atol=1e-5)
+    assert float((frlora_step(As, Bs, [1, 2, 3], A0, B0)
+                  - frlora_step(As, Bs, [1, 2, 3], A0, B0, exact=True)).abs().max()) > 1e-2

@@ -348,3 +348,128 @@ def test_rslora_scaling(tmp_path):
     _, clients = run(tmp_path, 'fedavg', rounds=1, fsplug={'model': {'lora': {'use_rslora': True}}})
     layer = next(m for n, m in clients[1].model.named_modules() if n.endswith('q_proj') and hasattr(m, 'scaling'))
     assert layer.scaling['default'] == pytest.approx(16 / R ** 0.5)
+
+
+# ------------------------------------------------------------------------------ FLoRA, FRLoRA
+
+def _factor_update(gen, cid, n, prefixes, rank, extra=None):
+    shared = {}
+    for prefix, (d_out, d_in) in prefixes.items():
+        shared.update(lora_pair(gen, rank, d_in, d_out, prefix))
+    return ClientUpdate(cid, n, shared, extra or {})
+
+
+def test_flora_server_stacks_exactly_at_mixed_ranks(tmp_path):
+    from fs_plugins.methods.flora import MERGED, ROUNDS_MERGED, SCALE
+    method = direct_method(tmp_path, 'flora')
+    gen = torch.Generator().manual_seed(2)
+    prefixes = {'m.q_proj': (6, 4), 'm.up_proj': (9, 4)}
+    scale_of = {1: 2.0, 2: 4.0}                          # α = 16 at r = 8 and r = 4
+    rank_of = {1: 8 // 2, 2: 4 // 2}
+
+    def update(cid, n):
+        return _factor_update(gen, cid, n, prefixes, rank_of[cid],
+                              {SCALE + p: torch.tensor(scale_of[cid]) for p in prefixes})
+
+    state = method.init_server_state({'head.weight': torch.zeros(3)})
+    expected = {p: torch.zeros(d_out, d_in, dtype=torch.float64) for p, (d_out, d_in) in prefixes.items()}
+    for updates in ([update(1, 3), update(2, 1)], [update(1, 1), update(2, 1)]):
+        state = method.aggregate(state, updates)
+        for prefix in prefixes:
+            a_key, b_key = f'{prefix}.lora_A.default.weight', f'{prefix}.lora_B.default.weight'
+            expected[prefix] += naive_weighted_mean(
+                [scale_of[u.client_id] * u.shared[b_key].double() @ u.shared[a_key].double()
+                 for u in updates], [u.num_samples for u in updates])
+            torch.testing.assert_close(state['merged'][prefix].double(), expected[prefix],
+                                       rtol=1e-5, atol=1e-5)
+    content = method.content_for(state, 1)
+    assert int(content[ROUNDS_MERGED]) == 2
+    assert not any('lora_' in k for k in content)        # every client draws a fresh LoRA
+    assert torch.equal(content[MERGED + 'm.q_proj'], state['merged']['m.q_proj'])
+
+
+def test_flora_clients_merge_the_same_update_and_restart_from_a_fresh_lora(tmp_path):
+    results, clients = run(tmp_path, 'flora', {'client_2': {'fsplug': {'model': {'lora': {'r': 4}}}}},
+                           rounds=2)
+    down = {r['round']: r['bytes_down'] for r in train_rows(results) if r['client'] == 1}
+    assert down[1] > 4 * FULL_NUMEL                                  # the dense merged update
+    one, two = clients[1], clients[2]
+    for prefix, w0 in one.state['w0'].items():
+        base = one.model.get_submodule(prefix).base_layer.weight
+        assert not torch.equal(base, w0)                             # merged into the base
+        other = two.model.get_submodule(prefix).base_layer.weight
+        torch.testing.assert_close(base, other)                      # whatever the client's rank
+    for proc in (one, two):
+        assert all(float(p.detach().abs().max()) == 0 for n, p in proc.params.items()
+                   if 'lora_B' in n)
+    a_one = {n: p for n, p in one.params.items() if 'lora_A' in n}
+    a_three = {n: p for n, p in clients[3].params.items() if 'lora_A' in n}
+    assert all(torch.equal(p, a_three[n]) for n, p in a_one.items())  # the round's common A
+
+
+def test_frlora_starts_function_identical_to_the_base(tmp_path):
+    from fs_plugins.models.builders import build_model
+    from fs_plugins.aggregation.lora import principal_factors
+    models = {}
+    for method in ('fedavg', 'frlora'):
+        cfg = load_config(write_yaml(tmp_path / f'{method}.yaml', tiny_config(tmp_path, method)))
+        models[method] = build_model(cfg, get_method_class(method)(cfg)).model.eval()
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain, principal = (models[m](input_ids=tokens).logits for m in ('fedavg', 'frlora'))
+    torch.testing.assert_close(principal, plain, rtol=1e-4, atol=1e-4)
+    layer = models['frlora'].get_submodule(next(n for n, m in models['frlora'].named_modules()
+                                                if n.endswith('q_proj') and hasattr(m, 'lora_A')))
+    original = models['fedavg'].get_submodule(
+        next(n for n, m in models['fedavg'].named_modules() if n.endswith('q_proj') and hasattr(m, 'lora_A')))
+    A0, B0 = principal_factors(original.base_layer.weight, R, layer.scaling['default'])
+    torch.testing.assert_close(layer.lora_A['default'].weight.detach(), A0)
+    torch.testing.assert_close(layer.lora_B['default'].weight.detach(), B0)
+
+
+def test_frlora_server_sums_the_residual_product(tmp_path):
+    from fs_plugins.methods.frlora import MERGED
+    method = direct_method(tmp_path, 'frlora')
+    gen = torch.Generator().manual_seed(4)
+    prefixes = {'m.q_proj': (6, 4)}
+    start = _factor_update(gen, 0, 1, prefixes, 2).shared
+    state = method.init_server_state(start)
+    a_key, b_key = 'm.q_proj.lora_A.default.weight', 'm.q_proj.lora_B.default.weight'
+    expected = torch.zeros(6, 4, dtype=torch.float64)
+    for updates in ([_factor_update(gen, 1, 3, prefixes, 2), _factor_update(gen, 2, 1, prefixes, 2)],
+                    [_factor_update(gen, 1, 2, prefixes, 2), _factor_update(gen, 2, 2, prefixes, 2)]):
+        state = method.aggregate(state, updates)
+        n = [u.num_samples for u in updates]
+        expected += (naive_weighted_mean([u.shared[b_key] for u in updates], n)
+                     @ naive_weighted_mean([u.shared[a_key] for u in updates], n)
+                     - start[b_key].double() @ start[a_key].double())
+        torch.testing.assert_close(state['merged']['m.q_proj'].double(), expected,
+                                   rtol=1e-5, atol=1e-5)
+    content = method.content_for(state, 2)
+    assert torch.equal(content[a_key], start[a_key]) and torch.equal(content[b_key], start[b_key])
+    assert torch.equal(content[MERGED + 'm.q_proj'], state['merged']['m.q_proj'])
+
+
+@pytest.mark.parametrize('freeze_a', [False, True])
+def test_frlora_clients_reset_to_the_principal_start(tmp_path, monkeypatch, freeze_a):
+    from fs_plugins.methods.frlora import FRLoRA
+    sent = []
+    aggregate = FRLoRA.aggregate
+    def recorded(self, state, updates):
+        sent.append((state, updates, aggregate(self, state, updates)))
+        return sent[-1][2]
+    monkeypatch.setattr(FRLoRA, 'aggregate', recorded)
+    results, clients = run(tmp_path, 'frlora', rounds=2, fsplug={'frlora': {'freeze_a': freeze_a}})
+    start, updates = sent[0][0]['global'], sent[0][1]
+    a_keys = [k for k in start if 'lora_A' in k]
+    a_moved = any(not torch.equal(u.shared[k], start[k]) for u in updates for k in a_keys)
+    assert a_moved != freeze_a                                    # freeze_a: only B trains
+    proc = clients[1]
+    for key, value in start.items():                             # back at (A0, B0) after the run
+        torch.testing.assert_close(proc.params[key].detach(), value)
+    merged = sent[-1][2]['merged']                              # W = W_res + s Σ_t step_t
+    assert len(sent) == 2 and set(proc.state['w0']) == set(merged)
+    for prefix, w0 in proc.state['w0'].items():
+        layer = proc.model.get_submodule(prefix)
+        torch.testing.assert_close(layer.base_layer.weight.detach(),
+                                   w0 + layer.scaling['default'] * merged[prefix])

@@ -20,7 +20,9 @@ matrix; mixed ranks by zero padding with ``pad=True``) and its materialising ref
 :func:`fed_a2_naive`, :func:`fed_a2_vera` / :func:`fed_a2_vera_naive` (the same for VeRA's
 scaling vectors λ_d, λ_b over frozen shared projections), :func:`flexlora` (SVD
 redistribution for heterogeneous ranks), :func:`hetlora_pad` / :func:`hetlora_truncate`
-(HetLoRA zero-padding aggregation), and :func:`lora_delta_norm` (‖B A‖_F without B A).
+(HetLoRA zero-padding aggregation), :func:`lora_delta_norm` (‖B A‖_F without B A),
+:func:`flora_stack` (FLoRA's stacking, B A = Σ p_k s_k B_k A_k at any ranks), and FRLoRA's
+:func:`principal_factors` (SVD initialisation) and :func:`frlora_step` (residual update).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from fs_plugins.aggregation.average import normalise_weights
 
 __all__ = [
     'fed_a2', 'fed_a2_naive', 'fed_a2_vera', 'fed_a2_vera_naive', 'flexlora', 'hetlora_pad',
-    'hetlora_truncate', 'lora_delta_norm',
+    'hetlora_truncate', 'lora_delta_norm', 'flora_stack', 'principal_factors', 'frlora_step',
     'FED_A2_COND_THRESHOLD', 'FED_A2_RIDGE_EPS', 'FED_A2_FLOAT32_COND',
 ]
 
@@ -546,3 +548,52 @@ def fedex_residual(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weigh
     p = normalise_weights(weights)
     product = sum(float(pk) * (b.float() @ a.float()) for pk, a, b in zip(p, As, Bs))
     return product - B_avg.float() @ A_avg.float()
+
+
+def flora_stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
+                scales: Optional[Sequence[float]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FLoRA's noise-free aggregation by stacking (Wang et al., NeurIPS 2024, Sec. 3):
+    A = [p_1 s_1 A_1; …; p_K s_K A_K] ((Σ r_k) × d_in) and B = [B_1, …, B_K] (d_out × Σ r_k),
+    so that B A = Σ_k p_k s_k B_k A_k exactly, whatever the ranks r_k. p_k goes on A, as in the
+    official code; s_k (each client's LoRA scaling α_k / r_k, default 1) too, so clients with
+    different scalings stack correctly (the code relies on α_k = 2 r_k instead)."""
+    _check_factors(As, Bs, weights, same_rank=False)
+    p = normalise_weights(weights)
+    scales = [1.0] * len(As) if scales is None else [float(s) for s in scales]
+    if len(scales) != len(As):
+        raise ValueError(f'flora_stack: {len(scales)} scales for {len(As)} clients')
+    dtype = _compute_dtype(*As, *Bs)
+    A = torch.cat([(float(pk) * sk) * a.to(dtype) for pk, sk, a in zip(p, scales, As)], dim=0)
+    B = torch.cat([b.to(dtype) for b in Bs], dim=1)
+    return A.to(As[0].dtype), B.to(Bs[0].dtype)
+
+
+def principal_factors(weight: torch.Tensor, rank: int, scale: float
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FRLoRA's (and PiSSA's) initialisation (Yan et al., ICLR 2025, Eqs. 6-7): from the SVD
+    W = U S Vᵀ of the pretrained weight (float32), A0 = √(S_r / s) V_rᵀ and B0 = U_r √(S_r / s)
+    with the top-r singular triplets, so that s · B0 A0 = U_r S_r V_rᵀ (s: the LoRA scaling)."""
+    if rank > min(weight.shape):
+        raise ValueError(f'principal_factors: rank {rank} exceeds the weight shape '
+                         f'{tuple(weight.shape)}')
+    U, S, Vh = torch.linalg.svd(weight.float(), full_matrices=False)
+    root = torch.sqrt(S[:rank] / float(scale))
+    return root[:, None] * Vh[:rank], U[:, :rank] * root[None, :]
+
+
+def frlora_step(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
+                A0: torch.Tensor, B0: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """FRLoRA's residual update of one round, before the LoRA scaling s (float32, d_out × d_in):
+    B̄ Ā − B0 A0 with Ā, B̄ the p-weighted means (the paper, which sums s times this into the
+    global weight), or Σ_k p_k B_k A_k − B0 A0 with `exact` (no cross terms). Subtracting the
+    principal start B0 A0, which every client's LoRA is reset to, keeps it from being added
+    again every round."""
+    _check_factors(As, Bs, weights, same_rank=True)
+    _check_pair(A0, B0, 'A0', 'B0')
+    p = normalise_weights(weights)
+    if exact:
+        product = sum(float(pk) * (b.float() @ a.float()) for pk, a, b in zip(p, As, Bs))
+    else:
+        B_avg = sum(float(pk) * b.float() for pk, b in zip(p, Bs))
+        product = B_avg @ _average_A(As, p, torch.float32)
+    return product - B0.float() @ A0.float()

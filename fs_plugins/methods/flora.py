@@ -1,0 +1,94 @@
+"""FLoRA (Wang et al., "FLoRA: Federated Fine-Tuning Large Language Models with Heterogeneous
+Low-Rank Adaptations", NeurIPS 2024; code github.com/ATP-1010/FederatedLLM).
+
+Each round the server stacks the clients' factors, A = [p_1 s_1 A_1; …; p_K s_K A_K] and
+B = [B_1, …, B_K] (Sec. 3, `fs_plugins.aggregation.lora.flora_stack`), so that the merged update
+B A = Σ_k p_k s_k B_k A_k is exact (no cross terms) at any mix of ranks r_k, and merges it into
+the base weight; every client then starts the next round from a fresh LoRA (A Kaiming-uniform,
+B = 0, as peft initialises it). p_k: the round's sample shares (fsplug.aggregation.weights);
+s_k = α_k / r_k: each client's own LoRA scaling, sent with its update (the paper's code relies
+on α_k = 2 r_k instead). Non-LoRA trained tensors (e.g. a classifier head) are averaged.
+
+Choices where the paper leaves room:
+- the fresh A of a round is the same on every client (as if the server created the round's
+  LoRA), drawn from a seed of the run seed and the number of rounds merged so far;
+- the download is the cumulative merged update of each layer (dense, d_out × d_in), which equals
+  the product of the stacked factors, rather than the stack itself: a client that skipped
+  rounds catches up exactly (fs_plugins.methods.merged_base);
+- the optimiser starts fresh every round (as the code's new Trainer per round does)."""
+import math
+
+import torch
+
+from fs_plugins.aggregation import weighted_average
+from fs_plugins.aggregation.lora import flora_stack
+from fs_plugins.aggregation.pairs import is_lora_factor, lora_pairs
+from fs_plugins.methods.base import Method, load_tensors, weights_of
+from fs_plugins.methods.merged_base import (accumulate, fold_into_base, folded_base_weights,
+                                            lora_layers, split_content)
+from fs_plugins.methods.registry import register_method
+from fs_plugins.seeding import derive_seed
+
+MERGED = 'merged/'          # server -> client: cumulative Σ_t Σ_k p_k s_k B_k A_k of a layer
+SCALE = 'scale/'            # client -> server: the layer's LoRA scaling s_k
+ROUNDS_MERGED = 'flora/rounds_merged'
+
+
+@register_method
+class FLoRA(Method):
+    name = 'flora'
+    summary = ('FLoRA: clients\' A and B stacked so the update is exactly Σp_ks_kB_kA_k at any '
+               'ranks, merged into the base each round; fresh LoRA every round')
+    sent = 'own-rank A, B / full-size merged update'
+    modifies_frozen_weights = True
+
+    def init_server_state(self, initial_shared):
+        return {'global': dict(initial_shared), 'merged': {}, 'rounds_merged': 0}
+
+    def client_extra(self, model, state):
+        return {SCALE + prefix: torch.tensor(float(layer.scaling['default']))
+                for prefix, layer in lora_layers(model)}
+
+    def aggregate(self, server_state, updates):
+        weights = weights_of(updates)
+        pairs = lora_pairs(set.intersection(*(set(u.shared) for u in updates)))
+        others = weighted_average([{k: v for k, v in u.shared.items() if not is_lora_factor(k)}
+                                   for u in updates], weights)
+        steps = {}
+        for prefix, (a_key, b_key) in pairs.items():
+            A, B = flora_stack([u.shared[a_key] for u in updates],
+                               [u.shared[b_key] for u in updates], weights,
+                               [float(u.extra[SCALE + prefix]) for u in updates])
+            steps[prefix] = B.float() @ A.float()
+        return {'global': {**server_state['global'], **others},
+                'merged': accumulate(server_state['merged'], steps),
+                'rounds_merged': server_state['rounds_merged'] + 1}
+
+    def content_for(self, server_state, client_id):
+        plain = {k: v for k, v in server_state['global'].items() if not is_lora_factor(k)}
+        return {**plain, ROUNDS_MERGED: torch.tensor(server_state['rounds_merged']),
+                **{MERGED + k: v for k, v in server_state['merged'].items()}}
+
+    def receive(self, model, content, state):
+        plain, merged = split_content(content, MERGED)
+        rounds_merged = int(plain.pop(ROUNDS_MERGED))
+        load_tensors(model, plain)
+        fold_into_base(model, state, merged, scaled=False)
+        fresh_lora(model, derive_seed(self.cfg.seed, 'flora', rounds_merged))
+
+    def artifact_extra(self, model, state):
+        return folded_base_weights(model, state)
+
+
+def fresh_lora(model, seed: int) -> None:
+    """peft's initialisation of every LoRA layer (A Kaiming-uniform with a = √5, B = 0), drawn
+    from `seed` layer by layer in module order."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            a = layer.lora_A['default'].weight
+            fresh = torch.empty(a.shape, dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
+            a.copy_(fresh.to(a.device, a.dtype))
+            layer.lora_B['default'].weight.zero_()
+
