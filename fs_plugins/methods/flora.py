@@ -71,10 +71,11 @@ class FLoRA(Method):
 
     def receive(self, model, content, state):
         plain, merged = split_content(content, MERGED)
-        rounds_merged = int(plain.pop(ROUNDS_MERGED))
+        rounds_merged = plain.pop(ROUNDS_MERGED, None)   # absent: not the server's state (FS's finish)
         load_tensors(model, plain)
         fold_into_base(model, state, merged, scaled=False)
-        fresh_lora(model, derive_seed(self.cfg.seed, 'flora', rounds_merged))
+        if rounds_merged is not None:
+            fresh_lora(model, derive_seed(self.cfg.seed, 'flora', int(rounds_merged)))
 
     def artifact_extra(self, model, state):
         return folded_base_weights(model, state)
