@@ -2,8 +2,9 @@
 # Every registered method on the tiny benchmark with the same seed (each method's
 # yamls/<method>/tiny*.yaml: 4 clients by task, 10 rounds x 10 steps), plus each
 # yamls/<method>/tiny_clients.yaml as a mixed-rank / per-client run (<method>_ranks), then the
-# comparison tables. The method list comes from the registry (`fs-plugins methods`).
-# Usage: bash scripts/run_tiny_grid.sh [seed]
+# comparison tables. The method list comes from the registry (`fs-plugins methods`), or from
+# METHODS (space-separated names) to run some of them.
+# Usage: [METHODS="fedavg flora"] bash scripts/run_tiny_grid.sh [seed]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed=${1:-1}
@@ -18,7 +19,7 @@ run() {  # run NAME YAML [--client_cfg FILE]
   runs+=("$out/$name")
 }
 
-for method in $(fs-plugins methods); do
+for method in ${METHODS:-$(fs-plugins methods)}; do
   for yaml in yamls/"$method"/tiny*.yaml; do
     variant=$(basename "$yaml" .yaml)
     variant=${variant#tiny}
