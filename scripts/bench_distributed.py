@@ -22,6 +22,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, 'tests'))
+from helpers import outsiders_are_refused  # noqa: E402  (shared with the tests)
 ROUND_START = re.compile(r'(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*'   # FS's lines may be coloured
                          r'training (?:round )?\(Round #(\d+)\)')
 TRAFFIC = re.compile(r'fs-plugins: sent (\d+) messages, (\d+) bytes \(([^)]*)\); refused (\d+)')
@@ -52,39 +54,6 @@ def run_standalone(cfg: str, opts: list[str], run_dir: str) -> dict:
         return {'log': handle.read(), 'wire': None, 'refused': None}
 
 
-def try_outsiders(server_port: int, security) -> None:
-    """A plaintext join, and client 1's credentials claiming client 2: both must be refused."""
-    import grpc
-    from federatedscope.core.configs.config import global_cfg
-    from federatedscope.core.message import Message
-    from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
-    from fs_plugins.fs.secure import CredentialsRefused, comm_manager_factory
-    from fs_plugins.launch import free_ports
-    address = f'127.0.0.1:{server_port}'
-    join = Message(msg_type='join_in', sender=2, receiver=[0], state=0, timestamp=0,
-                   content={'host': '127.0.0.1', 'port': 1})
-    with grpc.insecure_channel(address) as channel:
-        try:
-            gRPC_comm_manager_pb2_grpc.gRPCComServeFuncStub(channel).sendMessage(
-                join.transform(), timeout=10)
-            raise AssertionError('a plaintext join was accepted')
-        except grpc.RpcError:
-            pass
-    cfg = global_cfg.clone()
-    cfg.distribute.role = 'client'
-    cfg.fsplug.distribute.update(security.layer('client_1')['fsplug']['distribute'])
-    manager = comm_manager_factory(cfg)(host='127.0.0.1', port=free_ports(1)[0], client_num=1,
-                                        cfg=cfg.distribute)
-    manager.add_neighbors(0, address)
-    try:
-        manager.send(join)
-        raise AssertionError("client 1's credentials were accepted for client 2")
-    except CredentialsRefused:
-        pass
-    finally:
-        manager.grpc_server.stop(0)
-
-
 def run_launched(cfg: str, opts: list[str], run_dir: str, secure: str | None) -> dict:
     from fs_plugins.launch import LocalFederation
     federation = LocalFederation(cfg, opts=[*opts, 'fsplug.results_dir', run_dir],
@@ -94,7 +63,7 @@ def run_launched(cfg: str, opts: list[str], run_dir: str, secure: str | None) ->
         federation.start(server)
         federation.wait_listening(server, 300)
         if secure:
-            try_outsiders(server.address.port, federation.security)
+            outsiders_are_refused(server.address.port, federation.security)
         for party in federation.parties[1:]:
             federation.start(party)
         federation.follow(timeout=1800)
@@ -116,26 +85,17 @@ def time_one_message(megabytes: int, secure: str | None, folder: str) -> float:
     """Seconds to deliver one update of `megabytes` MiB of float32 (encoded as the workers
     encode it) from a client to the server, each a plugin comm manager on 127.0.0.1."""
     import torch
-    from federatedscope.core.configs.config import global_cfg
     from federatedscope.core.message import Message
-    from fs_plugins.fs.config import raise_grpc_limits
-    from fs_plugins.fs.secure import comm_manager_factory
+    from fs_plugins.fs.secure import party_comm_manager
     from fs_plugins.fs.wire import encode_update
-    from fs_plugins.launch import Security, free_ports
+    from fs_plugins.credentials import party_distribute
     from fs_plugins.methods.base import ClientUpdate
     rows = megabytes * 2 ** 20 // (4 * 4096)
     update = ClientUpdate(1, 8, {'w': torch.randn(rows, 4096)}, {}, {'loss': 1.0})
     content = encode_update(update, distributed=True)
-    managers = {}
-    for role, party in (('server', 'server'), ('client', 'client_1')):
-        cfg = global_cfg.clone()
-        cfg.federate.mode = 'distributed'
-        cfg.distribute.role = role
-        raise_grpc_limits(cfg)
-        if secure:
-            cfg.fsplug.distribute.update(Security(secure, folder).layer(party)['fsplug']['distribute'])
-        managers[role] = comm_manager_factory(cfg)(host='127.0.0.1', port=free_ports(1)[0],
-                                                   client_num=1, cfg=cfg.distribute)
+    managers = {role: party_comm_manager(role, party_distribute(folder, party, secure)
+                                         if secure else None)
+                for role, party in (('server', 'server'), ('client', 'client_1'))}
     try:
         managers['client'].add_neighbors(0, f"127.0.0.1:{managers['server'].port}")
         started = time.perf_counter()

@@ -80,3 +80,40 @@ def tiny_yaml_of(method: str) -> str:
         if os.path.isfile(path):
             return path
     raise AssertionError(f"method '{method}' has no tiny YAML: add yamls/{method}/tiny.yaml")
+
+
+def outsiders_are_refused(server_port: int, security, other_ca: str | None = None) -> str:
+    """Joins tried against a live secured server (`security`: fs_plugins.launch.Security): over
+    plaintext, with a certificate from another CA (with `other_ca`, a credentials folder),
+    and with client 1's credentials claiming client 2. Raises when one gets in (also used by
+    scripts/bench_distributed.py); returns the line the server logs for the last."""
+    import grpc
+    from federatedscope.core.message import Message
+    from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
+
+    from fs_plugins.credentials import party_distribute
+    from fs_plugins.fs.secure import CredentialsRefused, party_comm_manager
+    address = f'127.0.0.1:{server_port}'
+    join = Message(msg_type='join_in', sender=2, receiver=[0], state=0, timestamp=0,
+                   content={'host': '127.0.0.1', 'port': 1})
+    with grpc.insecure_channel(address) as channel:
+        try:
+            gRPC_comm_manager_pb2_grpc.gRPCComServeFuncStub(channel).sendMessage(
+                join.transform(), timeout=10)
+            raise AssertionError('a plaintext join was accepted')
+        except grpc.RpcError:
+            pass
+    attempts = [(other_ca, ConnectionError)] if other_ca else []
+    attempts.append((security.folder, CredentialsRefused))
+    for folder, refusal in attempts:
+        distribute = dict(party_distribute(folder, 'client_1', security.auth), connect_timeout_s=5.0)
+        manager = party_comm_manager('client', distribute)
+        manager.add_neighbors(0, address)
+        try:
+            manager.send(join)
+            raise AssertionError(f"client 1's credentials from {folder} were accepted for client 2")
+        except refusal:
+            pass
+        finally:
+            manager.grpc_server.stop(0)
+    return 'refused a message claiming to come from client 2'

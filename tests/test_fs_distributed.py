@@ -182,10 +182,9 @@ def test_message_over_100mb_through_fs_grpc(tmp_path):
     from federatedscope.core.configs.config import global_cfg
     from federatedscope.core.message import Message
     from fs_plugins.fs.config import raise_grpc_limits
-    from fs_plugins.fs.secure import comm_manager_factory
+    from fs_plugins.fs.secure import party_comm_manager
     from fs_plugins.fs.wire import decode_update, encode_update, encoded_size
     from fs_plugins.fs.workers import check_message_size
-    from fs_plugins.launch import free_ports
 
     cfg = global_cfg.clone()
     cfg.federate.mode = 'distributed'
@@ -197,15 +196,9 @@ def test_message_over_100mb_through_fs_grpc(tmp_path):
         check_message_size(cfg, content, 'the update of client 1')
     raise_grpc_limits(cfg)
     check_message_size(cfg, content, 'the update of client 1')
-    port, = free_ports(1)
-    cfg.distribute.role = 'server'
-    receiver = comm_manager_factory(cfg)(host='127.0.0.1', port=port, client_num=1,
-                                         cfg=cfg.distribute)
-    cfg.distribute.role = 'client'
-    sender = comm_manager_factory(cfg)(host='127.0.0.1', port=free_ports(1)[0], client_num=1,
-                                       cfg=cfg.distribute)
+    receiver, sender = party_comm_manager('server'), party_comm_manager('client')
     try:
-        sender.add_neighbors(0, f'127.0.0.1:{port}')
+        sender.add_neighbors(0, f'127.0.0.1:{receiver.port}')
         started = time.perf_counter()
         sender.send(Message(msg_type='model_para', sender=1, receiver=[0], state=0,
                             timestamp=0, content=(8, content)))

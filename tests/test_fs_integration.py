@@ -16,8 +16,8 @@ from fs_plugins.config import load_config
 from fs_plugins.methods.library_reuse import LibraryMethod
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.sim.runner import run_embedded
-from fs_plugins.launch import free_ports
-from helpers import deep_update, env_with_tests, tiny_config, tiny_yaml_of, write_yaml
+from helpers import (deep_update, env_with_tests, outsiders_are_refused, tiny_config,
+                     tiny_yaml_of, write_yaml)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('federatedscope') is None,
@@ -178,46 +178,6 @@ def test_fs_saves_models_at_rounds_without_evaluation(tmp_path):
     assert_same_numbers(read_rows(str(tmp_path / 'fs')), _embedded_rows(tmp_path, cfg))
     assert_same_artifacts(str(tmp_path / 'fs'), str(tmp_path / 'embedded'))
     assert load_trained(str(tmp_path / 'fs'), client=2).model is not None
-
-
-def outsiders_are_refused(server_port: int, security, other_ca: str) -> str:
-    """Joins tried against a live secured server: over plaintext, with a certificate from
-    another CA, and with client 1's credentials claiming client 2; what the server should log."""
-    import grpc
-    from federatedscope.core.configs.config import global_cfg
-    from federatedscope.core.message import Message
-    from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
-    from fs_plugins.fs.secure import CredentialsRefused, comm_manager_factory
-
-    address = f'127.0.0.1:{server_port}'
-    join = Message(msg_type='join_in', sender=2, receiver=[0], state=0, timestamp=0,
-                   content={'host': '127.0.0.1', 'port': 1})
-    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError):
-        gRPC_comm_manager_pb2_grpc.gRPCComServeFuncStub(channel).sendMessage(
-            join.transform(), timeout=10)
-
-    def outsider(folder):
-        cfg = global_cfg.clone()
-        cfg.distribute.role = 'client'
-        cfg.fsplug.distribute.update(security.layer('client_1')['fsplug']['distribute'])
-        for key in ('tls_ca', 'tls_cert', 'tls_key', 'token_file'):
-            if cfg.fsplug.distribute.get(key):
-                cfg.fsplug.distribute[key] = os.path.join(
-                    folder, os.path.basename(cfg.fsplug.distribute[key]))
-        cfg.fsplug.distribute.connect_timeout_s = 5.0
-        manager = comm_manager_factory(cfg)(host='127.0.0.1', port=free_ports(1)[0],
-                                            client_num=1, cfg=cfg.distribute)
-        manager.add_neighbors(0, address)
-        return manager
-
-    for folder, refusal in ((other_ca, ConnectionError), (security.folder, CredentialsRefused)):
-        manager = outsider(folder)
-        try:
-            with pytest.raises(refusal):
-                manager.send(join)
-        finally:
-            manager.grpc_server.stop(0)
-    return 'refused a message claiming to come from client 2'
 
 
 @pytest.mark.parametrize('method, secure', [('toy_phased', None), ('fedmole', 'certificate'),

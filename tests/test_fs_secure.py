@@ -29,30 +29,21 @@ def _read(folder, name):
         return handle.read()
 
 
-def _credentials(folder, name, auth, token_of=None):
-    import yaml
-
-    from fs_plugins.fs.secure import Credentials
-    tls = (_read(folder, 'ca.pem'), _read(folder, name + '.pem'), _read(folder, name + '.key'))
-    if name == 'server':
-        tokens = yaml.safe_load(_read(folder, 'client_tokens.yaml')) if auth == 'token' else {}
-        return Credentials('server', auth, tls, client_tokens=tokens)
-    own = _read(folder, f'{token_of or name}.token').decode() if auth == 'token' else ''
-    return Credentials('client', auth, tls, own_token=own)
-
-
 class Parties:
-    """Plugin comm managers on 127.0.0.1, stopped at the end of the test."""
+    """Plugin comm managers on 127.0.0.1 with the credentials of a folder, stopped at the end
+    of the test."""
 
     def __init__(self):
-        from federatedscope.core.configs.config import global_cfg
-        self.cfg = global_cfg.clone().distribute
         self.managers = []
 
-    def make(self, credentials, server=None):
-        from fs_plugins.fs.secure import comm_classes
-        manager = comm_classes()[1](credentials, 3.0, host='127.0.0.1', port=free_ports(1)[0],
-                                    client_num=2, cfg=self.cfg)
+    def make(self, folder, name, auth, server=None, token_of=None):
+        """Party `name` ('server', 'client_<k>'); `token_of`: another client's token instead."""
+        from fs_plugins.credentials import party_distribute
+        from fs_plugins.fs.secure import party_comm_manager
+        distribute = dict(party_distribute(folder, name, auth), connect_timeout_s=3.0)
+        if token_of:
+            distribute['token_file'] = os.path.join(folder, f'{token_of}.token')
+        manager = party_comm_manager('server' if name == 'server' else 'client', distribute)
         self.managers.append(manager)
         if server is not None:
             manager.add_neighbors(0, f'127.0.0.1:{server.port}')
@@ -82,8 +73,8 @@ def _queued(manager) -> int:
 
 @pytest.mark.parametrize('auth', ['token', 'certificate'])
 def test_authenticated_parties_exchange_messages(parties, creds, auth):
-    server = parties.make(_credentials(creds, 'server', auth))
-    client = parties.make(_credentials(creds, 'client_1', auth), server)
+    server = parties.make(creds, 'server', auth)
+    client = parties.make(creds, 'client_1', auth, server)
     client.send(_message(1, 0, content={'host': '127.0.0.1', 'port': client.port}))
     joined = server.receive()
     assert (joined.msg_type, joined.sender) == ('join_in', 1)
@@ -97,8 +88,8 @@ def test_authenticated_parties_exchange_messages(parties, creds, auth):
 @pytest.mark.parametrize('auth', ['token', 'certificate'])
 def test_a_client_cannot_send_under_another_id(parties, creds, auth):
     from fs_plugins.fs.secure import CredentialsRefused
-    server = parties.make(_credentials(creds, 'server', auth))
-    client_1 = parties.make(_credentials(creds, 'client_1', auth), server)
+    server = parties.make(creds, 'server', auth)
+    client_1 = parties.make(creds, 'client_1', auth, server)
     expected = "token is not client 2's" if auth == 'token' else \
         "common name is 'client_1', not 'client_2'"
     with pytest.raises(CredentialsRefused, match=expected):
@@ -108,9 +99,9 @@ def test_a_client_cannot_send_under_another_id(parties, creds, auth):
 
 def test_a_wrong_token_is_refused_before_joining(parties, creds):
     from fs_plugins.fs.secure import CredentialsRefused
-    server = parties.make(_credentials(creds, 'server', 'token'))
+    server = parties.make(creds, 'server', 'token')
     # client 1's certificate (TLS passes) with client 2's token
-    impostor = parties.make(_credentials(creds, 'client_1', 'token', token_of='client_2'), server)
+    impostor = parties.make(creds, 'client_1', 'token', server, token_of='client_2')
     with pytest.raises(CredentialsRefused, match="token is not client 1's"):
         impostor.send(_message(1, 0))
     assert _queued(server) == 0
@@ -118,8 +109,8 @@ def test_a_wrong_token_is_refused_before_joining(parties, creds):
 
 def test_clients_accept_only_the_server(parties, creds):
     from fs_plugins.fs.secure import CredentialsRefused
-    client_1 = parties.make(_credentials(creds, 'client_1', 'token'))
-    client_2 = parties.make(_credentials(creds, 'client_2', 'token'))
+    client_1 = parties.make(creds, 'client_1', 'token')
+    client_2 = parties.make(creds, 'client_2', 'token')
     client_2.add_neighbors(1, f'127.0.0.1:{client_1.port}')
     with pytest.raises(CredentialsRefused, match='accepts messages from the server only'):
         client_2.send(_message(2, 1, msg_type='model_para'))
@@ -130,8 +121,8 @@ def test_clients_accept_only_the_server(parties, creds):
 
 @pytest.mark.parametrize('auth', ['token', 'certificate'])
 def test_a_certificate_from_another_ca_fails_the_handshake(parties, creds, other_ca, auth):
-    server = parties.make(_credentials(creds, 'server', auth))
-    outsider = parties.make(_credentials(other_ca, 'client_1', auth), server)
+    server = parties.make(creds, 'server', auth)
+    outsider = parties.make(other_ca, 'client_1', auth, server)
     with pytest.raises(ConnectionError, match='(?i)handshake failed'):
         outsider.send(_message(1, 0))
     assert _queued(server) == 0
@@ -141,7 +132,7 @@ def test_a_certificate_from_another_ca_fails_the_handshake(parties, creds, other
 def test_unauthenticated_channels_are_refused(parties, creds, channel):
     import grpc
     from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
-    server = parties.make(_credentials(creds, 'server', 'certificate'))
+    server = parties.make(creds, 'server', 'certificate')
     address = f'127.0.0.1:{server.port}'
     opened = grpc.insecure_channel(address) if channel == 'plaintext' else \
         grpc.secure_channel(address, grpc.ssl_channel_credentials(_read(creds, 'ca.pem')))
@@ -154,7 +145,7 @@ def test_unauthenticated_channels_are_refused(parties, creds, channel):
 
 
 def test_an_unreachable_server_fails_the_client_after_its_timeout(parties, creds):
-    client = parties.make(_credentials(creds, 'client_1', 'token'))
+    client = parties.make(creds, 'client_1', 'token')
     client.add_neighbors(0, f'127.0.0.1:{free_ports(1)[0]}')   # nobody listens there
     with pytest.raises(ConnectionError, match=r"cannot deliver 'join_in' to the server at"):
         client.send(_message(1, 0))

@@ -358,6 +358,25 @@ def comm_manager_factory(cfg):
                              float(cfg.fsplug.distribute.connect_timeout_s))
 
 
+def party_comm_manager(role: str, distribute: dict | None = None, host: str = '127.0.0.1',
+                       port: int | None = None):
+    """The plugin's comm manager of one party outside an FS worker, on FS's defaults with
+    `distribute` as its fsplug.distribute and gRPC limits raised as a run raises them (for
+    tools and tests that talk to a federation directly); listening on a free port unless
+    `port` is given."""
+    from federatedscope.core.configs.config import global_cfg
+
+    from fs_plugins.fs.config import raise_grpc_limits
+    from fs_plugins.launch import free_ports
+    cfg = global_cfg.clone()
+    cfg.federate.mode = 'distributed'
+    cfg.distribute.role = role
+    cfg.fsplug.distribute.update(distribute or {})
+    raise_grpc_limits(cfg)
+    return comm_manager_factory(cfg)(host=host, port=port or free_ports(1, host)[0],
+                                     client_num=1, cfg=cfg.distribute)
+
+
 @contextlib.contextmanager
 def plugin_comm_manager(cfg):
     """While FS's Server/Client __init__ runs, its gRPCCommManager is the plugin's."""

@@ -8,8 +8,8 @@ that is the method's cost."""
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.lora import fedex_residual
 from fs_plugins.aggregation.pairs import lora_pairs
-from fs_plugins.methods.base import Method, load_tensors, weights_of
-from fs_plugins.methods.merged_base import (accumulate, fold_into_base, folded_base_weights,
+from fs_plugins.methods.base import load_tensors, weights_of
+from fs_plugins.methods.merged_base import (MergesIntoBase, accumulate, fold_into_base,
                                             split_content)
 from fs_plugins.methods.registry import register_method
 
@@ -17,15 +17,11 @@ RESIDUAL = 'residual/'
 
 
 @register_method
-class FedExLoRA(Method):
+class FedExLoRA(MergesIntoBase):
     name = 'fedex'
     summary = ('FedEx-LoRA: A, B averaged; the residual Σp_kB_kA_k − B̄Ā folded into the frozen '
                'base weight on every client')
     sent = 'A, B / A, B + full-size residual'
-    modifies_frozen_weights = True
-
-    def init_client_state(self, model, cfg):
-        return {'w0': {}}
 
     def init_server_state(self, initial_shared):
         return {'global': dict(initial_shared), 'residual': {}}
@@ -43,9 +39,6 @@ class FedExLoRA(Method):
     def content_for(self, server_state, client_id):
         return {**server_state['global'],
                 **{RESIDUAL + k: v for k, v in server_state['residual'].items()}}
-
-    def artifact_extra(self, model, state):
-        return folded_base_weights(model, state)
 
     def receive(self, model, content, state):
         plain, residuals = split_content(content, RESIDUAL)

@@ -20,14 +20,14 @@ import math
 
 import torch
 
-from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.lora import flora_stack
-from fs_plugins.aggregation.pairs import is_lora_factor, lora_pairs
-from fs_plugins.methods.base import Method, load_tensors, weights_of
-from fs_plugins.methods.merged_base import (accumulate, fold_into_base, folded_base_weights,
-                                            lora_layers, split_content)
+from fs_plugins.aggregation.pairs import is_lora_factor
+from fs_plugins.methods.base import load_tensors
+from fs_plugins.methods.merged_base import (MergesIntoBase, accumulate, fold_into_base,
+                                            layer_steps, split_content)
 from fs_plugins.methods.registry import register_method
 from fs_plugins.seeding import derive_seed
+from fs_plugins.tuners.mole.model import lora_wrapped_modules
 
 MERGED = 'merged/'          # server -> client: cumulative Σ_t Σ_k p_k s_k B_k A_k of a layer
 SCALE = 'scale/'            # client -> server: the layer's LoRA scaling s_k
@@ -35,31 +35,24 @@ ROUNDS_MERGED = 'flora/rounds_merged'
 
 
 @register_method
-class FLoRA(Method):
+class FLoRA(MergesIntoBase):
     name = 'flora'
     summary = ('FLoRA: clients\' A and B stacked so the update is exactly Σp_ks_kB_kA_k at any '
                'ranks, merged into the base each round; fresh LoRA every round')
     sent = 'own-rank A, B / full-size merged update'
-    modifies_frozen_weights = True
 
     def init_server_state(self, initial_shared):
         return {'global': dict(initial_shared), 'merged': {}, 'rounds_merged': 0}
 
     def client_extra(self, model, state):
         return {SCALE + prefix: torch.tensor(float(layer.scaling['default']))
-                for prefix, layer in lora_layers(model)}
+                for prefix, layer in lora_wrapped_modules(model).items()}
 
     def aggregate(self, server_state, updates):
-        weights = weights_of(updates)
-        pairs = lora_pairs(set.intersection(*(set(u.shared) for u in updates)))
-        others = weighted_average([{k: v for k, v in u.shared.items() if not is_lora_factor(k)}
-                                   for u in updates], weights)
-        steps = {}
-        for prefix, (a_key, b_key) in pairs.items():
-            A, B = flora_stack([u.shared[a_key] for u in updates],
-                               [u.shared[b_key] for u in updates], weights,
-                               [float(u.extra[SCALE + prefix]) for u in updates])
-            steps[prefix] = B.float() @ A.float()
+        def stacked_product(prefix, keys, As, Bs, weights):
+            A, B = flora_stack(As, Bs, weights, [float(u.extra[SCALE + prefix]) for u in updates])
+            return B.float() @ A.float()
+        others, steps = layer_steps(updates, stacked_product)
         return {'global': {**server_state['global'], **others},
                 'merged': accumulate(server_state['merged'], steps),
                 'rounds_merged': server_state['rounds_merged'] + 1}
@@ -77,19 +70,15 @@ class FLoRA(Method):
         if rounds_merged is not None:
             fresh_lora(model, derive_seed(self.cfg.seed, 'flora', int(rounds_merged)))
 
-    def artifact_extra(self, model, state):
-        return folded_base_weights(model, state)
-
 
 def fresh_lora(model, seed: int) -> None:
     """peft's initialisation of every LoRA layer (A Kaiming-uniform with a = √5, B = 0), drawn
     from `seed` layer by layer in module order."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, layer in lora_layers(model):
+        for layer in lora_wrapped_modules(model).values():
             a = layer.lora_A['default'].weight
             fresh = torch.empty(a.shape, dtype=torch.float32)
             torch.nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
             a.copy_(fresh.to(a.device, a.dtype))
             layer.lora_B['default'].weight.zero_()
-

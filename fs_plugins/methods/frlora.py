@@ -19,14 +19,14 @@ update of each layer, dense (fs_plugins.methods.merged_base); the optimiser star
 each round (the code keeps Adam's moments across the resets)."""
 from dataclasses import dataclass
 
-from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.lora import frlora_step, principal_factors
-from fs_plugins.aggregation.pairs import is_lora_a, is_lora_factor, lora_pairs
-from fs_plugins.methods.base import Method, Phase, weights_of, load_tensors
-from fs_plugins.methods.merged_base import (accumulate, fold_into_base, folded_base_weights,
-                                            lora_layers, split_content)
+from fs_plugins.aggregation.pairs import is_lora_a
+from fs_plugins.methods.base import Phase, load_tensors
+from fs_plugins.methods.merged_base import (MergesIntoBase, accumulate, fold_into_base,
+                                            layer_steps, split_content)
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema.options import option
+from fs_plugins.tuners.mole.model import lora_wrapped_modules
 
 MERGED = 'merged/'   # server -> client: Σ_t (B̄_t Ā_t − B0 A0) of a layer (before s)
 
@@ -41,16 +41,15 @@ class FRLoRAOptions:
 
 
 @register_method
-class FRLoRA(Method):
+class FRLoRA(MergesIntoBase):
     name = 'frlora'
     summary = ('FRLoRA: LoRA initialised from the top-r singular triplets of each pretrained '
                'weight; s(B̄Ā − B0A0) summed into the base every round, LoRA reset to (A0, B0)')
     sent = 'A, B / A0, B0 + full-size cumulative update'
     config_class = FRLoRAOptions
-    modifies_frozen_weights = True
 
     def adapt_model(self, model, cfg):
-        for _, layer in lora_layers(model):
+        for layer in lora_wrapped_modules(model).values():
             weight = layer.base_layer.weight
             scale = layer.scaling['default']
             A0, B0 = principal_factors(weight.detach(), layer.r['default'], scale)
@@ -68,15 +67,12 @@ class FRLoRA(Method):
         return {'global': dict(initial_shared), 'merged': {}}
 
     def aggregate(self, server_state, updates):
-        weights = weights_of(updates)
         start = server_state['global']
-        pairs = lora_pairs(set.intersection(*(set(u.shared) for u in updates)))
-        others = weighted_average([{k: v for k, v in u.shared.items() if not is_lora_factor(k)}
-                                   for u in updates], weights)
-        steps = {prefix: frlora_step([u.shared[a_key] for u in updates],
-                                     [u.shared[b_key] for u in updates], weights,
-                                     start[a_key], start[b_key], self.hparams.exact_product)
-                 for prefix, (a_key, b_key) in pairs.items()}
+
+        def residual_product(prefix, keys, As, Bs, weights):
+            return frlora_step(As, Bs, weights, start[keys[0]], start[keys[1]],
+                               self.hparams.exact_product)
+        others, steps = layer_steps(updates, residual_product)
         return {'global': {**start, **others},
                 'merged': accumulate(server_state['merged'], steps)}
 
@@ -88,7 +84,3 @@ class FRLoRA(Method):
         plain, merged = split_content(content, MERGED)
         load_tensors(model, plain)   # the LoRA back to (A0, B0)
         fold_into_base(model, state, merged, scaled=True)
-
-    def artifact_extra(self, model, state):
-        return folded_base_weights(model, state)
-

@@ -10,6 +10,23 @@ from __future__ import annotations
 
 import torch
 
+from fs_plugins.aggregation import weighted_average
+from fs_plugins.aggregation.pairs import is_lora_factor, lora_pairs
+from fs_plugins.methods.base import Method, weights_of
+
+
+class MergesIntoBase(Method):
+    """What the methods of this module share: the clients' original base weights W0 in
+    state['w0'], and the folded base weights saved with a client's model."""
+    modifies_frozen_weights = True
+
+    def init_client_state(self, model, cfg):
+        return {'w0': {}}
+
+    def artifact_extra(self, model, state):
+        return {f'{prefix}.base_layer.weight': model.get_submodule(prefix).base_layer.weight
+                for prefix in state['w0']}
+
 
 def split_content(content: dict, key_prefix: str) -> tuple[dict, dict]:
     """(the ordinary tensors, {layer prefix: cumulative update}) of a client's content."""
@@ -21,7 +38,7 @@ def split_content(content: dict, key_prefix: str) -> tuple[dict, dict]:
 def fold_into_base(model, state: dict, updates: dict, scaled: bool) -> None:
     """W = W0 + s·D (or W0 + D when not `scaled`) for every layer of `updates`; W0 is kept in
     state['w0'] at a layer's first update."""
-    w0 = state.setdefault('w0', {})
+    w0 = state['w0']
     with torch.no_grad():
         for prefix, update in updates.items():
             layer = model.get_submodule(prefix)
@@ -33,12 +50,6 @@ def fold_into_base(model, state: dict, updates: dict, scaled: bool) -> None:
                          .to(weight.dtype))
 
 
-def folded_base_weights(model, state: dict) -> dict:
-    """The base weights updates were folded into (what a saved model needs besides its LoRA)."""
-    return {f'{prefix}.base_layer.weight': model.get_submodule(prefix).base_layer.weight
-            for prefix in state.get('w0', {})}
-
-
 def accumulate(cumulative: dict, steps: dict) -> dict:
     """{layer: D + step}: this round's steps added to the cumulative updates."""
     out = dict(cumulative)
@@ -47,7 +58,14 @@ def accumulate(cumulative: dict, steps: dict) -> dict:
     return out
 
 
-def lora_layers(model) -> list:
-    """(name, module) of every peft LoRA layer with the 'default' adapter, in module order."""
-    return [(name, module) for name, module in model.named_modules()
-            if 'default' in getattr(module, 'lora_A', {})]
+def layer_steps(updates, step) -> tuple[dict, dict]:
+    """(the weighted average of every shared tensor that is not a LoRA factor, {layer prefix:
+    step(prefix, (A key, B key), As, Bs, weights)} over the LoRA layers all updates share)."""
+    weights = weights_of(updates)
+    pairs = lora_pairs(set.intersection(*(set(u.shared) for u in updates)))
+    others = weighted_average([{k: v for k, v in u.shared.items() if not is_lora_factor(k)}
+                               for u in updates], weights)
+    steps = {prefix: step(prefix, keys, [u.shared[keys[0]] for u in updates],
+                          [u.shared[keys[1]] for u in updates], weights)
+             for prefix, keys in pairs.items()}
+    return others, steps
