@@ -34,10 +34,11 @@ MERGED = 'merged/'   # server -> client: Σ_t (B̄_t Ā_t − B0 A0) of a layer 
 @dataclass
 class FRLoRAOptions:
     exact_product: bool = option(False, 'sum Σ p_k B_k A_k − B0 A0 into the weights instead of '
-                                        "the paper's B̄ Ā − B0 A0 (the product of the averaged "
-                                        'factors)')
-    freeze_a: bool = option(False, 'train only B (A stays A0), as the released code does; the '
-                                   'paper trains both')
+                                        "the paper's B̄ Ā − B0 A0 (Algorithm 1: A and B are "
+                                        'averaged separately, then multiplied)')
+    freeze_a: bool = option(False, 'train only B (A stays A0), as the released code '
+                                   '(IAMJackYan/FRLoRA, its FedAvgTrainer) does; the paper '
+                                   '(Sec. 3, Algorithm 1) trains both')
 
 
 @register_method
