@@ -114,6 +114,10 @@ MODEL_SETUP = {'flame': FLAME_MODEL, 'hetlora_experts': FLAME_MODEL,   # tiny OL
                                                 'public_samples': 8},
                                      'aggregation': {'per_architecture': True}}}}
 # the LoRA-reuse methods compose the builtin tiny library (tuners.library.builtin)
+# methods whose defaults need more rounds or a setting the tiny run lacks: their tiny YAML's node
+for _name in ('fedlease', 'dofit'):    # warm-up rounds; each client's domain
+    with open(tiny_yaml_of(_name)) as _handle:
+        MODEL_SETUP[_name] = {'fsplug': {_name: yaml.safe_load(_handle)['fsplug'][_name]}}
 MODEL_SETUP.update({name: {'fsplug': {'model': {'library': {'adapters': ['builtin:tiny-a',
                                                                          'builtin:tiny-b']}}}}
                     for name, cls in all_methods().items() if issubclass(cls, LibraryMethod)})
@@ -227,6 +231,33 @@ def test_fs_distributed_matches_embedded(tmp_path, method, secure):
     assert_same_numbers(read_rows(run_dir), _embedded_rows(tmp_path, base, own_model or None))
     # the server writes the global state, each client process its own model
     assert_same_artifacts(run_dir, str(tmp_path / 'embedded'), ['global', 'client_1', 'client_2'])
+
+
+@pytest.mark.parametrize('method, clients, secure', [('fedlease', 3, 'token'), ('dofit', 4, None)])
+def test_fs_distributed_personalised_content_matches_embedded(tmp_path, method, clients, secure):
+    """Content that differs per client and over time through FS's gRPC: FedLEASE's warm-up
+    (nothing sent), then each cluster's expert with the other experts and the cluster id;
+    DoFIT's per-domain LoRA. Same numbers and saved models as the embedded runner."""
+    from fs_plugins.launch import LocalFederation
+    base = tiny_config(tmp_path, method, rounds=3, steps=3,
+                       federate={'client_num': clients, 'sample_client_num': clients},
+                       data={'splitter': 'iid'})
+    deep_update(base, MODEL_SETUP[method])
+    if method == 'dofit':
+        base['fsplug']['dofit']['domains'] = [0, 0, 1, 1]
+    base['fsplug']['results_dir'] = str(tmp_path / 'distributed')
+    federation = LocalFederation(write_yaml(tmp_path / 'base.yaml', base), env=_env(), secure=secure)
+    try:
+        federation.start(federation.parties[0])
+        federation.wait_listening(federation.parties[0], 120)
+        for party in federation.parties[1:]:
+            federation.start(party)
+        federation.follow(timeout=300)
+    finally:
+        federation.stop_all()
+    assert_same_numbers(read_rows(federation.run_dir), _embedded_rows(tmp_path, base))
+    assert_same_artifacts(federation.run_dir, str(tmp_path / 'embedded'),
+                          ['global'] + [f'client_{c}' for c in range(1, clients + 1)])
 
 
 def test_cli_runs_through_fs(tmp_path):

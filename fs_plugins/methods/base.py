@@ -209,6 +209,20 @@ class Method:
         return {}
 
 
+def differing_client_keys(run_cfg: dict, client_cfg: dict, paths, why: str) -> list[str]:
+    """One problem line per key path (a tuple of keys) whose value in a client's config differs
+    from the run's, ending with `why` (for `Method.client_problems`)."""
+    problems = []
+    for path in paths:
+        run_value, client_value = run_cfg, client_cfg
+        for key in path:
+            run_value, client_value = run_value[key], client_value[key]
+        if run_value != client_value:
+            problems.append(f"{'.'.join(path)} = {client_value!r} differs from the run's "
+                            f"{run_value!r}; {why}")
+    return problems
+
+
 def activate_adapters(model: torch.nn.Module, adapters) -> None:
     """Makes the peft adapters `adapters` the active ones in the forward pass, keeping every
     parameter's requires_grad (peft's set_adapter would change them)."""

@@ -31,7 +31,7 @@ import torch
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.lora import fed_a2, fed_a2_vera, hetlora_pad
 from fs_plugins.aggregation.pairs import lora_pairs, vera_pairs
-from fs_plugins.methods.base import Method, weights_of
+from fs_plugins.methods.base import Method, differing_client_keys, weights_of
 from fs_plugins.methods.lora_family import aggregate_by_layer, receive_at_own_rank
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
@@ -129,14 +129,9 @@ class FedA2LoRA(Method):
         paths = [('fsplug', 'model', 'adapter')]
         if run_cfg['fsplug']['model']['adapter'] == 'vera':
             paths += VERA_PROJECTION_KEYS
-        problems = []
-        for path in paths:
-            run_value, client_value = _at(run_cfg, path), _at(client_cfg, path)
-            if run_value != client_value:
-                problems.append(f"{'.'.join(path)} = {client_value!r} differs from the run's "
-                                f"{run_value!r}; fsplug.method = 'fed_a2' aggregates one adapter "
-                                f"type, and VeRA's frozen projections must be the server's")
-        return problems
+        return differing_client_keys(run_cfg, client_cfg, paths,
+                                     "fsplug.method = 'fed_a2' aggregates one adapter type, and "
+                                     "VeRA's frozen projections must be the server's")
 
     # ------------------------------------------------------------------ model
     def adapt_model(self, model, cfg):
@@ -217,9 +212,3 @@ class FedA2LoRA(Method):
 
     def receive(self, model, content, state):
         receive_at_own_rank(model, content)
-
-
-def _at(tree: dict, path: tuple):
-    for key in path:
-        tree = tree[key]
-    return tree

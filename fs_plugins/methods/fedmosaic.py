@@ -31,7 +31,7 @@ import torch
 
 from fs_plugins.aggregation.mosaic import customised_globals, rela_weights
 from fs_plugins.errors import ConfigError
-from fs_plugins.methods.base import Method
+from fs_plugins.methods.base import Method, differing_client_keys
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 from fs_plugins.seeding import derive_seed
@@ -153,17 +153,11 @@ class FedMosaic(Method):
     def client_problems(cls, run_cfg, client_cfg) -> list[str]:
         """P (r × r), Q (r) and the block pairing are shared by every client: a client may
         change its model, not r, the LoRA targets or the FedMosaic settings."""
-        problems = []
-        for path in (('fsplug', 'model', 'lora', 'r'), ('fsplug', 'model', 'lora', 'target_modules'),
-                     ('fsplug', 'fedmosaic')):
-            run_value, client_value = run_cfg, client_cfg
-            for key in path:
-                run_value, client_value = run_value[key], client_value[key]
-            if run_value != client_value:
-                problems.append(f"{'.'.join(path)} = {client_value!r} differs from the run's "
-                                f"{run_value!r}; FedMosaic shares P, Q and their block pairing "
-                                f"across all clients, so it must be the same for every client")
-        return problems
+        return differing_client_keys(
+            run_cfg, client_cfg, (('fsplug', 'model', 'lora', 'r'),
+                                  ('fsplug', 'model', 'lora', 'target_modules'), ('fsplug', 'fedmosaic')),
+            'FedMosaic shares P, Q and their block pairing across all clients, so it must be the '
+            'same for every client')
 
     def pivot_config(self, cfg):
         from fs_plugins.config import Cfg, to_plain
