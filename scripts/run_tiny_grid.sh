@@ -4,11 +4,11 @@
 # yamls/<method>/tiny_clients.yaml as a mixed-rank / per-client run (<method>_ranks), then the
 # comparison tables. The method list comes from the registry (`fs-plugins methods`), or from
 # METHODS (space-separated names) to run some of them.
-# Usage: [METHODS="fedavg flora"] bash scripts/run_tiny_grid.sh [seed]
+# Usage: [METHODS="fedavg flora"] [OUT=exp/tiny_grid] bash scripts/run_tiny_grid.sh [seed]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed=${1:-1}
-out=exp/tiny_grid/seed$seed
+out=${OUT:-exp/tiny_grid}/seed$seed
 mkdir -p "$out"
 runs=()
 
