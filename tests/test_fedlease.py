@@ -185,11 +185,10 @@ def test_set_experts_names_the_shapes_that_do_not_fit():
 
 
 # ------------------------------------------------------------------ the method
-def _update(cid, n, b_direction, gen, extra_router=True):
+def _update(cid, n, b_direction, gen):
     shared = lora_pair(gen, 2, 4, 6, 'm.q_proj')
     shared['m.q_proj.lora_B.default.weight'] = b_direction + 0.01 * torch.randn(6, 2, generator=gen)
-    if extra_router:
-        shared['m.q_proj.lease.router'] = torch.randn(5, 4, generator=gen)
+    shared['m.q_proj.lease.router'] = torch.randn(5, 4, generator=gen)
     return ClientUpdate(cid, n, shared)
 
 

@@ -2,8 +2,9 @@
 similarity of their LoRA B matrices, the number of clusters chosen by silhouette.
 
 - `b_distances`: Eq. 2, d(i, j) = mean over adapted layers l of 1 − cos(vec B_i^l, vec B_j^l);
-- `average_linkage`: agglomerative clustering with average linkage on a precomputed distance
-  matrix (the released code's `AgglomerativeClustering(linkage='average')`);
+- `average_linkage` / `linkage_levels`: agglomerative clustering with average linkage on a
+  precomputed distance matrix (the released code's `AgglomerativeClustering(linkage='average')`),
+  every k from one pass of merges;
 - `silhouette`: the mean silhouette coefficient of a labelling;
 - `choose_clusters`: k = 2 .. min(max_clusters, N − 1), the k of the largest silhouette.
 """
@@ -26,8 +27,8 @@ def b_distances(bs: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
     total = torch.zeros(n, n, dtype=torch.float64)
     for layer in layers:
         vectors = torch.stack([b[layer].detach().double().reshape(-1) for b in bs])
-        norms = vectors.norm(dim=1, keepdim=True)
-        units = torch.where(norms > 0, vectors / norms.clamp_min(1e-300), torch.zeros_like(vectors))
+        # a zero vector stays zero (0 / tiny)
+        units = vectors / vectors.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
         total += 1.0 - units @ units.T
     distances = total / len(layers)
     distances.fill_diagonal_(0.0)
@@ -38,22 +39,38 @@ def average_linkage(distances: torch.Tensor, k: int) -> list[int]:
     """Labels 0..k−1 of N points merged bottom-up, each step joining the two clusters of the
     smallest mean pairwise distance (ties: the pair listed first). Labels are numbered by each
     cluster's smallest member, so the result is deterministic."""
+    return linkage_levels(distances, [k])[k]
+
+
+def linkage_levels(distances: torch.Tensor, ks) -> dict[int, list[int]]:
+    """{k: average_linkage labels} for every k in `ks`, from one pass of merges (each level's
+    clusters are unions of the next finer level's). Cluster-to-cluster mean distances are kept
+    in a matrix updated by the Lance–Williams rule for average linkage, d(a ∪ b, c) =
+    (|a| d(a, c) + |b| d(b, c)) / (|a| + |b|)."""
     n = distances.shape[0]
-    if not 1 <= k <= n:
-        raise ValueError(f"Cannot make {k} clusters of {n} points")
-    clusters = [[i] for i in range(n)]
-    while len(clusters) > k:
-        best = None
-        for a in range(len(clusters)):
-            for b in range(a + 1, len(clusters)):
-                link = float(distances[clusters[a]][:, clusters[b]].mean())
-                if best is None or link < best[0]:
-                    best = (link, a, b)
-        _, a, b = best
-        clusters[a] = sorted(clusters[a] + clusters.pop(b))
+    if any(not 1 <= k <= n for k in ks):
+        raise ValueError(f"Cannot make {sorted(ks)} clusters of {n} points")
+    link = distances.double().clone()
+    link.fill_diagonal_(float('inf'))
+    link = link.triu() + torch.full_like(link, float('inf')).tril()   # pairs (a, b), a < b
+    members = {i: [i] for i in range(n)}
+    levels = {n: _labels(members.values(), n)} if n in ks else {}
+    while len(members) > min(ks):
+        a, b = divmod(int(torch.argmin(link)), n)   # row-major: the first minimal pair
+        na, nb = len(members[a]), len(members[b])
+        merged = (na * torch.minimum(link[a], link[:, a]) + nb * torch.minimum(link[b], link[:, b])) / (na + nb)
+        link[a, a + 1:], link[:a, a] = merged[a + 1:], merged[:a]
+        link[b, :], link[:, b] = float('inf'), float('inf')
+        members[a] = sorted(members[a] + members.pop(b))
+        if len(members) in ks:
+            levels[len(members)] = _labels(members.values(), n)
+    return levels
+
+
+def _labels(clusters, n: int) -> list[int]:
     labels = [0] * n
-    for label, members in enumerate(sorted(clusters)):
-        for i in members:
+    for label, cluster in enumerate(sorted(clusters)):
+        for i in cluster:
             labels[i] = label
     return labels
 
@@ -86,10 +103,8 @@ def choose_clusters(distances: torch.Tensor, max_clusters: int) -> tuple[list[in
     if top < 2:
         raise ValueError(f"Choosing between 2 and {max_clusters} clusters by silhouette needs at "
                          f"least 3 clients, got {n}")
-    scores, labelings = {}, {}
-    for k in range(2, top + 1):
-        labelings[k] = average_linkage(distances, k)
-        scores[k] = silhouette(distances, labelings[k])
+    labelings = linkage_levels(distances, range(2, top + 1))
+    scores = {k: silhouette(distances, labelings[k]) for k in sorted(labelings)}
     best = max(scores, key=lambda k: (scores[k], -k))
     return labelings[best], scores
 

@@ -61,6 +61,13 @@ def b_matrices(shared: dict) -> dict[str, torch.Tensor]:
     return {prefix: shared[keys[1]] for prefix, keys in lora_pairs(shared).items()}
 
 
+def load_other_experts(model, tensors: dict) -> None:
+    """Sets each layer's other experts from `tensors` (content or a saved model) where given."""
+    for prefix, layer in lease_layers(model).items():
+        if OTHERS_A + prefix in tensors:
+            layer.set_experts(tensors[OTHERS_A + prefix], tensors[OTHERS_B + prefix])
+
+
 @register_method
 class FedLEASE(Method):
     name = 'fedlease'
@@ -112,11 +119,9 @@ class FedLEASE(Method):
     def receive(self, model, content, state):
         cluster = content.get(CLUSTER)
         load_tensors(model, {k: v for k, v in content.items() if not k.startswith('fedlease/')})
-        if cluster is None:
-            return
-        state['cluster'] = int(cluster)
-        for prefix, layer in lease_layers(model).items():
-            layer.set_experts(content[OTHERS_A + prefix], content[OTHERS_B + prefix])
+        if cluster is not None:
+            state['cluster'] = int(cluster)
+            load_other_experts(model, content)
 
     def client_metrics(self, model, state):
         if 'cluster' not in state:
@@ -125,14 +130,16 @@ class FedLEASE(Method):
                 'fedlease_experts': next(iter(lease_layers(model).values())).active}
 
     def artifact_extra(self, model, state):
-        return {f'{prefix}.lease.{buffer}': getattr(layer, buffer)
-                for prefix, layer in lease_layers(model).items()
-                for buffer in ('bank_A', 'bank_B', 'num_experts')}
+        """The other experts in use, named as the server sends them (none before clustering)."""
+        extra = {}
+        for prefix, layer in lease_layers(model).items():
+            if layer.active > 1:
+                extra[OTHERS_A + prefix] = layer.bank_A[:layer.active - 1]
+                extra[OTHERS_B + prefix] = layer.bank_B[:layer.active - 1]
+        return extra
 
     def restore_artifact(self, model, extra):
-        with torch.no_grad():
-            for name, value in extra.items():
-                model.get_buffer(name).copy_(value)
+        load_other_experts(model, extra)
 
     # ------------------------------------------------------------------ server
     def init_server_state(self, initial_shared):
@@ -149,9 +156,9 @@ class FedLEASE(Method):
                 state = self.cluster(state)
             return state
         assignment = dict(state['assignment'])
-        centres = [b_matrices(state['experts'][j]) for j in sorted(state['experts'])]
         for update in updates:
             if update.client_id not in assignment:
+                centres = [b_matrices(state['experts'][j]) for j in sorted(state['experts'])]
                 assignment[update.client_id] = nearest_cluster(b_matrices(update.shared), centres)
         experts = dict(state['experts'])
         for j in experts:

@@ -52,12 +52,10 @@ class LeaseMixture(nn.Module):
                                                    device=device))
         self.register_buffer('bank_B', torch.zeros(max_experts - 1, out_features, r, dtype=dtype,
                                                    device=device))
-        self.register_buffer('num_experts', torch.tensor(1))
+        # experts in use, M (1 until set_experts): a Python int, read on every forward without a
+        # device synchronisation
+        self.active = 1
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-
-    @property
-    def active(self) -> int:
-        return int(self.num_experts)
 
     def set_experts(self, bank_a: torch.Tensor, bank_b: torch.Tensor) -> None:
         """Loads the other experts (M − 1 of them, stacked) and makes M the active count."""
@@ -73,7 +71,7 @@ class LeaseMixture(nn.Module):
             self.bank_B.zero_()
             self.bank_A[:others].copy_(bank_a)
             self.bank_B[:others].copy_(bank_b)
-            self.num_experts.fill_(others + 1)
+        self.active = others + 1
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """(..., M) per-token expert weights, own expert first."""
