@@ -83,7 +83,7 @@ setup(
         'fs': ['cryptography', 'protobuf', 'grpcio', 'grpcio-tools', 'yacs', 'fvcore', 'iopath', 'pympler',
                'scipy', 'scikit-learn', 'pandas', 'tensorboard', 'tensorboardX'],
     },
-    entry_points={'console_scripts': ['fs-plugins=fs_plugins.cli:main']},
+    entry_points={'console_scripts': ['fs-plugins=fs_plugins.commands.cli:main']},
     cmdclass=cmdclass,
     zip_safe=False,
 )

@@ -8,6 +8,6 @@ __all__ = ['load_trained']
 
 
 def load_trained(run_dir: str, client=None, device: str = 'cpu'):
-    """A run's trained model rebuilt from its results directory (see fs_plugins.artifacts)."""
-    from fs_plugins.artifacts import load_trained as load
+    """A run's trained model rebuilt from its results directory (see fs_plugins.run.artifacts)."""
+    from fs_plugins.run.artifacts import load_trained as load
     return load(run_dir, client, device)

@@ -47,7 +47,7 @@ def payload_bytes(run_dir: str) -> int:
 def run_standalone(cfg: str, opts: list[str], run_dir: str) -> dict:
     log_path = os.path.join(run_dir + '.log')
     with open(log_path, 'w') as log:
-        subprocess.run([sys.executable, '-m', 'fs_plugins.cli', 'run', '--runner', 'fs', '--cfg',
+        subprocess.run([sys.executable, '-m', 'fs_plugins.commands.cli', 'run', '--runner', 'fs', '--cfg',
                         cfg, *opts, 'fsplug.results_dir', run_dir], stdout=log,
                        stderr=subprocess.STDOUT, check=True, cwd=REPO)
     with open(log_path) as handle:
@@ -55,7 +55,7 @@ def run_standalone(cfg: str, opts: list[str], run_dir: str) -> dict:
 
 
 def run_launched(cfg: str, opts: list[str], run_dir: str, secure: str | None) -> dict:
-    from fs_plugins.launch import LocalFederation
+    from fs_plugins.commands.launch import LocalFederation
     federation = LocalFederation(cfg, opts=[*opts, 'fsplug.results_dir', run_dir],
                                  secure=secure, out=io.StringIO())
     server = federation.parties[0]
@@ -88,7 +88,7 @@ def time_one_message(megabytes: int, secure: str | None, folder: str) -> float:
     from federatedscope.core.message import Message
     from fs_plugins.fs.secure import party_comm_manager
     from fs_plugins.fs.wire import encode_update
-    from fs_plugins.credentials import party_distribute
+    from fs_plugins.commands.credentials import party_distribute
     from fs_plugins.methods.base import ClientUpdate
     rows = megabytes * 2 ** 20 // (4 * 4096)
     update = ClientUpdate(1, 8, {'w': torch.randn(rows, 4096)}, {}, {'loss': 1.0})
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         print(f"| {label} | {seconds_per_round(result['log']):.2f} | {payload:.2f} | {wire} | "
               f'{wall:.0f} | {refused} |', flush=True)
     if args.message_mb:
-        from fs_plugins.credentials import make_credentials
+        from fs_plugins.commands.credentials import make_credentials
         folder = make_credentials(os.path.join(work, 'credentials'), [1])
         channels = (('plaintext', None), ('TLS + token', 'token'),
                     ('TLS + certificates', 'certificate'))

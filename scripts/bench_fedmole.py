@@ -51,7 +51,7 @@ MODELS = {'tiny': ('tiny-llama@fsplug_llm', 'tiny_llama'),
 def build(model: str, config: str, workdir: str, extra: dict | None = None):
     """(model, trainable names, method, cfg) for one configuration, through the plugin's
     builder (`extra`: further config overrides, merged on top)."""
-    from fs_plugins.config import load_config, merge
+    from fs_plugins.run.config import load_config, merge
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.models.builders import build_model
     model_type, builder = MODELS[model]

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(builder: str, yaml_path: str):
-    from fs_plugins.config import load_config
+    from fs_plugins.run.config import load_config
     from fs_plugins.data.federated import build_federated_records
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.models.builders import build_model
@@ -46,7 +46,7 @@ def time_train_steps(built, train, batch_size: int, steps: int) -> float:
 
 
 def time_generation(built, records, batch_size: int, max_new_tokens: int) -> tuple[float, list]:
-    from fs_plugins.client import generate_answers
+    from fs_plugins.run.client import generate_answers
     built.model.eval()
     with torch.no_grad():
         generate_answers(built.model, built.codec, records[:2], 2, max_new_tokens)  # warm-up

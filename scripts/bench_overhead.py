@@ -116,7 +116,7 @@ def main() -> None:
         with open(path, 'w') as handle:
             yaml.safe_dump(make(workdir, model_dir, rounds), handle)
         if runner == 'embedded':
-            return [sys.executable, '-m', 'fs_plugins.cli', 'run', '--runner', 'embedded',
+            return [sys.executable, '-m', 'fs_plugins.commands.cli', 'run', '--runner', 'embedded',
                     '--cfg', path], REPO
         return [sys.executable, 'federatedscope/main.py', '--cfg', path], root
 

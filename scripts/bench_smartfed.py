@@ -43,7 +43,7 @@ CONFIGS = {'fedavg': ('fedavg', {}),
 def make_library(workdir: str) -> list[str]:
     """Two random r = 16 peft LoRAs on q, v of the smollm2 base, saved as adapter folders."""
     from peft import LoraConfig, get_peft_model
-    from fs_plugins.config import load_config
+    from fs_plugins.run.config import load_config
     from fs_plugins.models.builders import load_base
     folders = []
     for seed in (1, 2):
@@ -71,7 +71,7 @@ def base_config(workdir: str, method: str, hparams: dict, library=()) -> dict:
 
 
 def make_trainer(config: str, workdir: str, args, hparams_extra=None) -> Trainer:
-    from fs_plugins.config import load_config
+    from fs_plugins.run.config import load_config
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.models.builders import build_model
     method_name, hparams = CONFIGS[config]

@@ -71,8 +71,8 @@ def measure(args) -> dict:
     """One schedule in this process: seconds per step and peak memory of the training."""
     import torch
 
-    from fs_plugins.client import ClientProcedure
-    from fs_plugins.config import load_config
+    from fs_plugins.run.client import ClientProcedure
+    from fs_plugins.run.config import load_config
     from fs_plugins.data.federated import build_federated_records
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.models.builders import build_model

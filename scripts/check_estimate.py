@@ -69,7 +69,7 @@ def measure(args) -> None:
 
 
 def estimated_mib(args, model: str, config: str, checkpointing: bool, workdir: str) -> dict:
-    from fs_plugins.estimate import estimate_client
+    from fs_plugins.commands.estimate import estimate_client
     _, _, _, cfg = bench_fedmole.build(model, config, workdir)
     cfg.dataloader.batch_size = args.batch
     e = estimate_client(cfg, 1, args.seq_len)

@@ -1,4 +1,4 @@
-"""Config fuzzing report: broken variants of every shipped YAML (fs_plugins.schema.fuzz), run
+"""Config fuzzing report: broken variants of every shipped YAML (fs_plugins.commands.fuzz), run
 through `fs-plugins run --runner embedded`; counts per kind of variants tried and of those that
 ended in a clean error naming the culprit (exit code 2, no traceback). The test
 tests/test_config_fuzz.py asserts the same for every variant.
@@ -19,7 +19,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 
-from fs_plugins.schema.fuzz import mutations, run_mutation  # noqa: E402
+from fs_plugins.commands.fuzz import mutations, run_mutation  # noqa: E402
 from test_config_fuzz import shipped_yamls  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Writes the shipped distributed configs: for every registered method's tiny YAML and every
 easyvqa YAML, yamls/<method>/distributed/<name>/server.yaml and client_<k>.yaml, one per
 party of FS's distributed mode on 127.0.0.1 (server port 50051, client k 50051 + k), derived
-by fs_plugins.launch.shipped_party_configs. `--check` exits 1 when a shipped file is stale,
+by fs_plugins.commands.launch.shipped_party_configs. `--check` exits 1 when a shipped file is stale,
 missing or extra (the tests run it that way).
 
 python scripts/gen_distributed.py [--check]
@@ -41,7 +41,7 @@ def folder_of(source: str) -> str:
 
 def render() -> dict[str, str]:
     """{path: text} of every shipped file."""
-    from fs_plugins.launch import shipped_party_configs
+    from fs_plugins.commands.launch import shipped_party_configs
     files = {}
     for source in sources():
         folder = folder_of(source)

@@ -82,7 +82,7 @@ def main() -> None:
     for yaml_path, folder, seq_len, extra in RUNS:
         builder = 'llava' if folder == 'llava-1.5-7b' else 'olmoe'
         for seq in [seq_len] + args.seq_len:
-            cmd = [sys.executable, '-m', 'fs_plugins.cli', 'estimate', '--cfg', yaml_path,
+            cmd = [sys.executable, '-m', 'fs_plugins.commands.cli', 'estimate', '--cfg', yaml_path,
                    '--seq-len', str(seq),
                    'model.type', f'{folders[folder]}@fsplug_llm', 'fsplug.model.builder', builder,
                    'fsplug.model.local_files_only', 'True', 'data.root', args.out, *extra]

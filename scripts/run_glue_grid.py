@@ -73,7 +73,7 @@ def cell_command(args, task: str, adapter: str, method: str, seed: int) -> list[
                  'fsplug.results_dir': cell_dir(args.out, task, adapter, method, seed)}
     extra = [value.replace('{task}', task) for value in args.overrides]
     pairs = [item for key, value in overrides.items() for item in (key, value)]
-    return [sys.executable, '-m', 'fs_plugins.cli', 'run', '--runner', args.runner,
+    return [sys.executable, '-m', 'fs_plugins.commands.cli', 'run', '--runner', args.runner,
             '--cfg', args.yaml.format(task=task), *pairs, *extra]
 
 

@@ -10,7 +10,7 @@ SEEDS=${SEEDS:-1}
 EXTRA=${EXTRA:-}
 LIB=$OUT/library
 if [ ! -f "$LIB/summary.md" ]; then
-  python -m fs_plugins.cli run --cfg yamls/smartfed/easyvqa_library.yaml \
+  python -m fs_plugins.commands.cli run --cfg yamls/smartfed/easyvqa_library.yaml \
     fsplug.results_dir "$LIB" outdir "$OUT/fs"
 fi
 ADAPTERS="['$LIB/adapters/client_1', '$LIB/adapters/client_2']"   # colour, shape
@@ -32,7 +32,7 @@ for seed in $SEEDS; do
     [ -f "$dir/summary.md" ] && continue
     mkdir -p "$(dirname "$dir")"
     # shellcheck disable=SC2086
-    python -m fs_plugins.cli run --cfg yamls/smartfed/easyvqa.yaml seed "$seed" \
+    python -m fs_plugins.commands.cli run --cfg yamls/smartfed/easyvqa.yaml seed "$seed" \
       fsplug.model.library.adapters "$ADAPTERS" $overrides $EXTRA \
       fsplug.results_dir "$dir" outdir "$OUT/fs" > "$dir.log" 2>&1 || { echo "failed: $name seed $seed (see $dir.log)"; exit 1; }
   done

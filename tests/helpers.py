@@ -83,7 +83,7 @@ def tiny_yaml_of(method: str) -> str:
 
 
 def outsiders_are_refused(server_port: int, security, other_ca: str | None = None) -> str:
-    """Joins tried against a live secured server (`security`: fs_plugins.launch.Security): over
+    """Joins tried against a live secured server (`security`: fs_plugins.commands.launch.Security): over
     plaintext, with a certificate from another CA (with `other_ca`, a credentials folder),
     and with client 1's credentials claiming client 2. Raises when one gets in (also used by
     scripts/bench_distributed.py); returns the line the server logs for the last."""
@@ -91,7 +91,7 @@ def outsiders_are_refused(server_port: int, security, other_ca: str | None = Non
     from federatedscope.core.message import Message
     from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
 
-    from fs_plugins.credentials import party_distribute
+    from fs_plugins.commands.credentials import party_distribute
     from fs_plugins.fs.secure import CredentialsRefused, party_comm_manager
     address = f'127.0.0.1:{server_port}'
     join = Message(msg_type='join_in', sender=2, receiver=[0], state=0, timestamp=0,

@@ -9,7 +9,7 @@ import pickle
 import sys
 
 import fs_plugins.fs.workers as workers
-from fs_plugins.cli import main
+from fs_plugins.commands.cli import main
 from fs_plugins.fs.wire import MARKER, PAYLOAD
 from helpers import CreatesFile
 

@@ -10,8 +10,8 @@ import torch
 
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
 from fs_plugins import load_trained
-from fs_plugins.artifacts import ARTIFACT_JSON, MODULES_FILE, PEFT_FILE, ArtifactError, client_dir
-from fs_plugins.config import load_config, read_yaml
+from fs_plugins.run.artifacts import ARTIFACT_JSON, MODULES_FILE, PEFT_FILE, ArtifactError, client_dir
+from fs_plugins.run.config import load_config, read_yaml
 from fs_plugins.methods.registry import all_methods
 from helpers import REPO, run_embedded_keeping_clients, tiny_yaml_of
 
@@ -77,7 +77,7 @@ def _load_exported(folder):
 def _assert_merged_export_or_refusal(run_dir, proc, out):
     """Plain-LoRA methods export a merged HF model with the adapter model's logits; the
     others (Method.hf_export_refusal, or modules of their own) are refused with the reason."""
-    from fs_plugins.trained import export, own_modules
+    from fs_plugins.run.trained import export, own_modules
     reason, custom = proc.method.hf_export_refusal, own_modules(proc.model)
     if reason or custom:
         with pytest.raises(ArtifactError, match='Cannot export client 1 of method'):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from fs_plugins.config import ConfigError, client_overrides, load_config, read_yaml
+from fs_plugins.run.config import ConfigError, client_overrides, load_config, read_yaml
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.schema import PluginOptions, describe
 from fs_plugins.schema.fs_keys import FSKeys

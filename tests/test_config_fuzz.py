@@ -1,5 +1,5 @@
 """Config fuzzing (issue 14): broken variants of every shipped YAML, generated from the schema
-(fs_plugins.schema.fuzz), each end in a clean error — exit code 2, no traceback — whose message
+(fs_plugins.commands.fuzz), each end in a clean error — exit code 2, no traceback — whose message
 names the culprit key, value or path."""
 import glob
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from fs_plugins.schema.fuzz import is_client_config, mutations, run_mutation
+from fs_plugins.commands.fuzz import is_client_config, mutations, run_mutation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fs_plugins.config import ConfigError, load_config
+from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.methods.registry import all_methods
 from helpers import REPO, tiny_yaml_of
 

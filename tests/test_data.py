@@ -4,12 +4,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fs_plugins.config import ConfigError
+from fs_plugins.run.config import ConfigError
 from fs_plugins.data import splitters
 from fs_plugins.data.batches import BatchStream, local_steps
 from fs_plugins.data.builtin import tiny_tasks_records
 from fs_plugins.data.instruction import IGNORE_INDEX, format_prompt, load_records, tokenize_record
-from fs_plugins.config import Cfg
+from fs_plugins.run.config import Cfg
 
 
 def _records(n_per=30):

@@ -5,7 +5,7 @@ import torch
 
 from fs_plugins.aggregation.domains import dofit_inter_domain, proximal_perturbation
 from fs_plugins.methods.base import ClientUpdate
-from fs_plugins.config import load_config
+from fs_plugins.run.config import load_config
 from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 from test_methods import direct_method, lora_pair, naive_weighted_mean, train_rows
 
@@ -102,7 +102,7 @@ def test_server_keeps_one_state_per_domain(tmp_path):
 
 
 def test_dofit_config_needs_two_domains_one_per_client(tmp_path):
-    from fs_plugins.errors import ConfigError
+    from fs_plugins.core.errors import ConfigError
     for domains, message in (([0, 0, 0, 0], 'at least two domains'),
                              ([0, 1], 'one label per client')):
         with pytest.raises(ConfigError, match=message):

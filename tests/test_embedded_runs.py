@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from fs_plugins.config import load_config
+from fs_plugins.run.config import load_config
 from fs_plugins.sim.runner import run_embedded
 from helpers import tiny_config, write_yaml
 
@@ -116,7 +116,7 @@ def test_missing_model_dir_named(tmp_path):
 
 
 def test_bad_target_modules_named(tmp_path):
-    from fs_plugins.config import ConfigError
+    from fs_plugins.run.config import ConfigError
     with pytest.raises(ConfigError, match='target_modules'):
         _run(tmp_path, 'fedavg', fsplug={'model': {'lora': {'target_modules': ['nope_proj']}}})
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
-from fs_plugins.config import load_config
+from fs_plugins.run.config import load_config
 from fs_plugins.methods.registry import all_methods
 from helpers import run_embedded_keeping_clients, tiny_yaml_of
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fs_plugins.aggregation import fed_a2_naive
-from fs_plugins.config import ConfigError, client_overrides, load_config, read_yaml
+from fs_plugins.run.config import ConfigError, client_overrides, load_config, read_yaml
 from fs_plugins.methods.base import ClientUpdate, weights_of
 from fs_plugins.methods.fed_a2 import FedA2LoRA
 from fs_plugins.methods.registry import get_method_class

@@ -241,7 +241,7 @@ def test_local_routers_stay_on_the_clients(tmp_path):
 
 
 def test_fedlease_end_to_end(tmp_path):
-    from fs_plugins.config import load_config
+    from fs_plugins.run.config import load_config
     from fs_plugins.tuners.lease import lease_layers
     cfg = tiny_config(tmp_path, 'fedlease', rounds=3, steps=2,
                       fsplug={'fedlease': {'warmup_rounds': 1, 'max_experts': 3}})

@@ -3,8 +3,8 @@ client, client-local persistence of routed experts and routers, and the ablation
 import pytest
 import torch
 
-from fs_plugins.client import ClientProcedure
-from fs_plugins.config import ConfigError, load_config
+from fs_plugins.run.client import ClientProcedure
+from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.data.federated import build_federated_records
 from fs_plugins.methods.fedmole import AGGREGATED_KINDS, ROUTED, ROUTER, SHARED, parameter_kind
 from fs_plugins.methods.registry import get_method_class

@@ -9,7 +9,7 @@ import torch
 
 from fs_plugins.aggregation.mosaic import rela_weights
 from fs_plugins.methods.base import ClientUpdate
-from fs_plugins.config import ConfigError, client_config, client_overrides, load_config, read_yaml
+from fs_plugins.run.config import ConfigError, client_config, client_overrides, load_config, read_yaml
 from fs_plugins.methods.fedmosaic import (ARCH_KEY, GRAD_KEY, PQ_PREFIX, FedMosaic,
                                           model_type_id)
 from fs_plugins.models.builders import build_model, load_base
@@ -221,7 +221,7 @@ def test_server_content_follows_rela_weights(hetero_run):
 def test_baselines_aggregate_per_architecture(tmp_path):
     """FedIT on the heterogeneous pair (fsplug.aggregation.per_architecture): clients of one
     model average among themselves, and receive their group's average."""
-    from fs_plugins.config import load_config as load
+    from fs_plugins.run.config import load_config as load
     cfg = load(TINY, ['data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp'),
                       'fsplug.results_dir', str(tmp_path / 'results'), 'fsplug.method', 'fedavg',
                       'fsplug.aggregation.per_architecture', 'True',
@@ -239,7 +239,7 @@ def test_baselines_aggregate_per_architecture(tmp_path):
 
 @pytest.mark.parametrize('pq_lr', [0.0, 5e-5])
 def test_pq_lora_has_its_own_learning_rate(tmp_path, pq_lr):
-    from fs_plugins.client import ClientProcedure
+    from fs_plugins.run.client import ClientProcedure
     from fs_plugins.data.federated import build_federated_records
     cfg = _cfg(tmp_path, 'train.optimizer.lr', '2e-5', 'fsplug.fedmosaic.pq_lr', str(pq_lr))
     built, method, ccfg = _built(cfg)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from fs_plugins.aggregation import activation_aware_weights, weighted_average
 from fs_plugins.aggregation.activation import activation_frequency
 from fs_plugins.aggregation.experts import fuse, merge_experts, split_experts, unfuse
-from fs_plugins.config import ConfigError, client_config, load_config
+from fs_plugins.run.config import ConfigError, client_config, load_config
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.expertwise import HetLoRAExperts
 from fs_plugins.methods.flame import (COUNTS_PREFIX, DEFAULT_TOP_K_KEY, STEPS_KEY, TOTALS_PREFIX,
@@ -344,7 +344,7 @@ def test_server_assigns_budget_levels_and_client_cfg_overrides(tmp_path):
 
 
 def test_client_top_k_is_used_in_evaluation(tmp_path):
-    from fs_plugins.client import ClientProcedure
+    from fs_plugins.run.client import ClientProcedure
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.models.builders import build_model
     cfg = flame_cfg(tmp_path)
@@ -416,7 +416,7 @@ RECORDS = {'train': [{'instruction': f'Add {i} and {i + 1}.', 'input': '', 'outp
 
 
 def client_of(cfg, cid=1, overrides=None):
-    from fs_plugins.client import ClientProcedure
+    from fs_plugins.run.client import ClientProcedure
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.models.builders import build_model
     ccfg = client_config(cfg, overrides)
@@ -542,7 +542,7 @@ def test_paper_placement_runs_and_aggregates_per_expert(tmp_path, method):
 
 
 def test_client_groups_by_budget_level_and_summary_rows(tmp_path):
-    from fs_plugins.results import ResultsLog
+    from fs_plugins.run.results import ResultsLog
     method, _ = flame_model(tmp_path)
     assert method.client_groups([1, 2, 3, 4, 5, 6]) == {
         'β1 (k=8)': [1, 5], 'β2 (k=4)': [2, 6], 'β3 (k=2)': [3], 'β4 (k=1)': [4]}

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from fs_plugins.checkpoint import party_path
-from fs_plugins.launch import LocalFederation, party_command
+from fs_plugins.run.checkpoint import party_path
+from fs_plugins.commands.launch import LocalFederation, party_command
 from helpers import TESTS_DIR, env_with_tests, tiny_config, write_yaml
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +40,7 @@ def _rows(run_dir):
 
 
 def _launch(cfg_path, *args, timeout=300):
-    return subprocess.run([sys.executable, '-m', 'fs_plugins.cli', 'launch', '--cfg', cfg_path,
+    return subprocess.run([sys.executable, '-m', 'fs_plugins.commands.cli', 'launch', '--cfg', cfg_path,
                            '--timeout', str(timeout), *args], env=_env(), capture_output=True,
                           text=True, timeout=timeout + 60)
 
@@ -72,7 +72,7 @@ def test_launch_runs_a_local_federation(tmp_path):
 
 
 def test_launch_stops_every_process_when_one_fails(tmp_path, monkeypatch, capsys):
-    import fs_plugins.launch as launch
+    import fs_plugins.commands.launch as launch
     federation = LocalFederation(_config(tmp_path, 'fail', method='fedavg', rounds=50), env=_env())
     failing = federation.parties[2].cfg_path
 
@@ -94,7 +94,7 @@ def test_fs_resume_continues_to_the_same_results(tmp_path, mode):
     full, cut = _config(tmp_path, 'full', **checkpoint), _config(tmp_path, 'cut', rounds=2, **checkpoint)
     if mode == 'standalone':
         def run(cfg, *args):
-            return subprocess.run([sys.executable, '-m', 'fs_plugins.cli', 'run', '--runner', 'fs',
+            return subprocess.run([sys.executable, '-m', 'fs_plugins.commands.cli', 'run', '--runner', 'fs',
                                    '--cfg', cfg, *args], env=_env(), capture_output=True,
                                   text=True, timeout=300)
     else:

@@ -12,7 +12,7 @@ import yaml
 import torch
 
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
-from fs_plugins.config import load_config
+from fs_plugins.run.config import load_config
 from fs_plugins.methods.library_reuse import LibraryMethod
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.sim.runner import run_embedded
@@ -58,7 +58,7 @@ def assert_same_numbers(fs_rows, emb_rows):
 
 
 def assert_same_artifacts(fs_run, emb_run, folders=None):
-    """The saved models (fs_plugins.artifacts) of an FS run equal the embedded run's: the
+    """The saved models (fs_plugins.run.artifacts) of an FS run equal the embedded run's: the
     same folders, files and tensors (the JSON differs only in paths and FS's own keys)."""
     import safetensors.torch
     fs_adapters, emb_adapters = os.path.join(fs_run, 'adapters'), os.path.join(emb_run, 'adapters')
@@ -192,8 +192,8 @@ def test_fs_distributed_matches_embedded(tmp_path, method, secure):
     state that persists across rounds and phases (toy_phased with extra payloads; fedmole's
     routed experts and routers; fedmosaic with the two clients on different models, each
     process naming the pivot); bounded in time; same numbers as the embedded runner."""
-    from fs_plugins.credentials import make_credentials
-    from fs_plugins.launch import LocalFederation
+    from fs_plugins.commands.credentials import make_credentials
+    from fs_plugins.commands.launch import LocalFederation
     base = tiny_config(tmp_path, method, rounds=2, steps=3,
                        federate={'client_num': 2, 'sample_client_num': 2}, data={'splitter': 'iid'})
     if method == 'toy_phased':
@@ -238,7 +238,7 @@ def test_fs_distributed_personalised_content_matches_embedded(tmp_path, method, 
     """Content that differs per client and over time through FS's gRPC: FedLEASE's warm-up
     (nothing sent), then each cluster's expert with the other experts and the cluster id;
     DoFIT's per-domain LoRA. Same numbers and saved models as the embedded runner."""
-    from fs_plugins.launch import LocalFederation
+    from fs_plugins.commands.launch import LocalFederation
     base = tiny_config(tmp_path, method, rounds=3, steps=3,
                        federate={'client_num': clients, 'sample_client_num': clients},
                        data={'splitter': 'iid'})
@@ -262,7 +262,7 @@ def test_fs_distributed_personalised_content_matches_embedded(tmp_path, method, 
 
 def test_cli_runs_through_fs(tmp_path):
     cfg = tiny_config(tmp_path, 'fedavg', rounds=1, steps=2)
-    proc = subprocess.run([sys.executable, '-m', 'fs_plugins.cli', 'run', '--cfg',
+    proc = subprocess.run([sys.executable, '-m', 'fs_plugins.commands.cli', 'run', '--cfg',
                            write_yaml(tmp_path / 'c.yaml', cfg), 'seed', '3'],
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

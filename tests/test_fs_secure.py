@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from fs_plugins.credentials import make_credentials
-from fs_plugins.launch import free_ports
+from fs_plugins.commands.credentials import make_credentials
+from fs_plugins.commands.launch import free_ports
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('federatedscope') is None or importlib.util.find_spec('grpc') is None,
@@ -38,7 +38,7 @@ class Parties:
 
     def make(self, folder, name, auth, server=None, token_of=None):
         """Party `name` ('server', 'client_<k>'); `token_of`: another client's token instead."""
-        from fs_plugins.credentials import party_distribute
+        from fs_plugins.commands.credentials import party_distribute
         from fs_plugins.fs.secure import party_comm_manager
         distribute = dict(party_distribute(folder, name, auth), connect_timeout_s=3.0)
         if token_of:

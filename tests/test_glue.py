@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from fs_plugins.config import load_config
+from fs_plugins.run.config import load_config
 from fs_plugins.data import glue
 from fs_plugins.data.federated import build_federated_records
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.models.classifier import ClassificationCodec, is_task_head
 from helpers import REPO, run_embedded_keeping_clients
 
@@ -209,7 +209,7 @@ def test_rslora_vera_and_half_precision_variants(tmp_path, opts):
 
 def test_saved_client_model_reloads_with_its_head(tmp_path):
     import fs_plugins
-    from fs_plugins.client import token_metrics
+    from fs_plugins.run.client import token_metrics
     from fs_plugins.models.codecs import EncodedDataset
     cfg = _tiny(tmp_path, 'fedsa', 1)
     results, clients = run_embedded_keeping_clients(cfg)

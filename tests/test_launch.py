@@ -7,9 +7,9 @@ import sys
 import pytest
 import yaml
 
-from fs_plugins.config import load_config
-from fs_plugins.errors import ConfigError
-from fs_plugins.launch import LocalFederation, client_count
+from fs_plugins.run.config import load_config
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.commands.launch import LocalFederation, client_count
 from fs_plugins.fs.secure import read_credentials
 from helpers import REPO, tiny_config, tiny_yaml_of, write_yaml
 
@@ -59,7 +59,7 @@ def test_a_client_entry_for_no_client_is_named(tmp_path):
 
 
 def test_one_party_of_a_multi_host_federation(tmp_path, monkeypatch):
-    import fs_plugins.launch as launch
+    import fs_plugins.commands.launch as launch
     started = []
     monkeypatch.setattr(launch.subprocess, 'call', lambda command: started.append(command) or 0)
     cfg = tiny_config(tmp_path, 'fedavg', federate={'client_num': 2, 'sample_client_num': 2},

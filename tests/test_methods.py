@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fs_plugins.aggregation.server_opt import adaptive_server_step
-from fs_plugins.config import load_config
+from fs_plugins.run.config import load_config
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.fedex import RESIDUAL
 from fs_plugins.methods.registry import get_method_class

@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from fs_plugins.client import generate_answers
-from fs_plugins.config import ConfigError, load_config
+from fs_plugins.run.client import generate_answers
+from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.data.instruction import IGNORE_INDEX, load_records
 from fs_plugins.methods.fedavg import FedAvg
 from fs_plugins.models.builders import build_model

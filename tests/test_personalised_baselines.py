@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from fs_plugins.client import ClientProcedure
-from fs_plugins.config import load_config
+from fs_plugins.run.client import ClientProcedure
+from fs_plugins.run.config import load_config
 from fs_plugins.data.federated import build_federated_records
 from fs_plugins.methods.base import activate_adapters
 from fs_plugins.methods.registry import get_method_class
@@ -274,7 +274,7 @@ def test_perada_distils_each_architecture_with_its_clients_model(tmp_path, monke
     ('no_such_builtin', "fsplug.perada.public_data = 'no_such_builtin': give a .json/.jsonl"),
 ])
 def test_perada_bad_public_data_names_the_key(tmp_path, source, message):
-    from fs_plugins.errors import ConfigError
+    from fs_plugins.core.errors import ConfigError
     from fs_plugins.methods.base import ClientUpdate
     proc = one_client(tmp_path, 'perada', fsplug={'perada': {**SMALL_KD, 'public_data': source}})
     method = get_method_class('perada')(proc.cfg)
@@ -286,7 +286,7 @@ def test_perada_bad_public_data_names_the_key(tmp_path, source, message):
 
 @pytest.mark.parametrize('method', ['ditto', 'fedsim', 'feddat', 'perada'])
 def test_twin_adapter_methods_refuse_vera_naming_the_key(tmp_path, method):
-    from fs_plugins.errors import ConfigError
+    from fs_plugins.core.errors import ConfigError
     with pytest.raises(ConfigError, match=rf"fsplug.model.adapter = 'vera': fsplug.method = "
                                           rf"'{method}'.*needs 'lora'"):
         load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(

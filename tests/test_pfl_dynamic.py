@@ -3,7 +3,7 @@ episodic memory of what has arrived, evaluation covers the tasks started ('Self'
 other clients' started tasks ('Others'), and the summary reports A_last and A_AUC."""
 import pytest
 
-from fs_plugins.config import ConfigError, load_config
+from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.data import stream
 from helpers import TINY_YAML, run_embedded_keeping_clients
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import toy_methods  # noqa: F401  (registers the test-only methods: covered like the others)
-from fs_plugins import checkpoint
-from fs_plugins.config import ConfigError, load_config
+from fs_plugins.run import checkpoint
+from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.sim import runner
-from fs_plugins.validation import update_problem
+from fs_plugins.run.validation import update_problem
 from helpers import run_embedded_keeping_clients, tiny_yaml_of
 
 METHODS = sorted(all_methods())
@@ -132,7 +132,7 @@ def test_a_finished_run_resumed_with_more_rounds_continues_it(tmp_path):
 
 # ------------------------------------------------------------------ results never lost
 def test_an_existing_results_directory_is_refused_unless_overwritten(tmp_path, capsys):
-    from fs_plugins.cli import main
+    from fs_plugins.commands.cli import main
     runner.run_embedded(tiny_cfg(tmp_path, 'fedavg', 'run', rounds=1))
     before = read(tmp_path / 'run')
     with pytest.raises(ConfigError, match='already holds a run'):
@@ -271,7 +271,7 @@ def test_a_client_with_its_own_config_is_checked_against_its_own_model(tmp_path)
     """The shapes the server expects from a client whose config differs (here a LoRA rank)
     are those of that client's model, built on the meta device."""
     from fs_plugins.models.builders import build_model
-    from fs_plugins.server import client_shared_shapes
+    from fs_plugins.run.server import client_shared_shapes
     cfg = tiny_cfg(tmp_path, 'fedavg', 'run', 'fsplug.model.lora.r', '4')
     method = all_methods()['fedavg'](cfg)
     built = build_model(cfg, method)
@@ -283,8 +283,8 @@ def test_a_client_with_its_own_config_is_checked_against_its_own_model(tmp_path)
 
 def fedavg_server(initial: dict):
     """A FedAvg ServerProcedure over `initial` whose results rows stay in memory."""
-    from fs_plugins.results import ResultsLog
-    from fs_plugins.server import ServerProcedure
+    from fs_plugins.run.results import ResultsLog
+    from fs_plugins.run.server import ServerProcedure
 
     class MemoryLog(ResultsLog):
         def __init__(self):

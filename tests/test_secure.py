@@ -6,9 +6,9 @@ import stat
 import pytest
 import yaml
 
-from fs_plugins.config import Cfg
-from fs_plugins.credentials import make_credentials, party_distribute, party_files
-from fs_plugins.errors import ConfigError
+from fs_plugins.run.config import Cfg
+from fs_plugins.commands.credentials import make_credentials, party_distribute, party_files
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.fs.secure import Credentials, read_credentials, refusal
 from fs_plugins.schema.plugin import DistributeOptions
 from fs_plugins.schema.options import defaults_of

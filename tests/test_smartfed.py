@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fs_plugins.aggregation import eeqa_quota
-from fs_plugins.config import load_config
-from fs_plugins.errors import ConfigError
+from fs_plugins.run.config import load_config
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model

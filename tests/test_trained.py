@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fs_plugins import load_trained
-from fs_plugins.artifacts import client_dir, global_dir
-from fs_plugins.cli import main
-from fs_plugins.config import load_config
+from fs_plugins.run.artifacts import client_dir, global_dir
+from fs_plugins.commands.cli import main
+from fs_plugins.run.config import load_config
 from helpers import deep_update, run_embedded_keeping_clients, tiny_config, write_yaml
 from test_multimodal import vl_config
 

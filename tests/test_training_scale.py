@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
-from fs_plugins.client import micro_batch_weights
-from fs_plugins.config import load_config
-from fs_plugins.errors import ConfigError
+from fs_plugins.run.client import micro_batch_weights
+from fs_plugins.run.config import load_config
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.registry import all_methods, get_method_class
 from fs_plugins.models import precision
 from fs_plugins.models.builders import build_model

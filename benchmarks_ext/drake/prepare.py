@@ -34,7 +34,7 @@ from benchmarks_ext.drake.readers import README, read_rows, task_files, to_candi
 from benchmarks_ext.drake.table import TABLE_34, DrakeTask  # noqa: E402
 from benchmarks_ext.hflb.pfl_records import (TaskPool, base_parser, draw, run_cli,  # noqa: E402
                                              write_benchmark)
-from fs_plugins.seeding import derive_seed  # noqa: E402
+from fs_plugins.core.seeding import derive_seed  # noqa: E402
 
 BENCHMARK = 'drake'
 PER_TASK, TEST_PER_TASK = 10_000, 1_000   # A.24

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from benchmarks_ext.common import IMAGE_MODES, SPLITS, ImagePlacer, PrepareError
 from fs_plugins.data.multimodal import write_jsonl
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.seeding import derive_seed
 
 CLIENT_FIELD = 'client'
 TASK_FIELD = 'pfl_task'

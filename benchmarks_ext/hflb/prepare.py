@@ -41,7 +41,7 @@ from benchmarks_ext.hflb.pfl_records import (TaskPool, base_parser, run_cli,  # 
 from benchmarks_ext.hflb.readers import LOADERS, README  # noqa: E402
 from benchmarks_ext.hflb.rules import TASK_RULES  # noqa: E402
 from benchmarks_ext.hflb.table import TABLE_13, HflbClient  # noqa: E402
-from fs_plugins.seeding import derive_seed  # noqa: E402
+from fs_plugins.core.seeding import derive_seed  # noqa: E402
 
 BENCHMARK = 'hflb'
 KIND = 'vqa'                      # Table 12: HFLB's task type is VQA

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.seeding import derive_seed
 
 
 class BatchStream:

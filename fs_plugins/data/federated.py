@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fs_plugins import config as config_mod
+from fs_plugins.run import config as config_mod
 from fs_plugins.data import glue, splitters, stream
 from fs_plugins.data.builtin import ensure_builtin
 from fs_plugins.data.instruction import load_records
-from fs_plugins.errors import ConfigError
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

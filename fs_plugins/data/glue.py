@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def parse_data_type(name: str, root: str) -> GlueSource | None:
 
 def task_of(cfg) -> GlueTask | None:
     """The GLUE task of a config's data.type, None when its data is not a GLUE task."""
-    from fs_plugins.config import data_name
+    from fs_plugins.run.config import data_name
     source = parse_data_type(data_name(cfg), str(cfg.data.root))
     return source.task if source else None
 

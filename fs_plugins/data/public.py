@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 
 
 def public_records(source: str, cfg, count: int, seed: int, key: str) -> list[dict]:

@@ -6,7 +6,7 @@ from typing import Callable
 
 import numpy as np
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 
 _SPLITTERS: dict[str, Callable] = {}
 

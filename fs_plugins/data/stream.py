@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.seeding import derive_seed
 
 TASK_RANK, TASK_COUNT, OWNER = '_task_rank', '_task_count', '_owner'
 TASK_ORDERS = ('sorted', 'rotated')

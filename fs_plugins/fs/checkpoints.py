@@ -1,5 +1,5 @@
 """Whole-federation checkpoints under FederatedScope (standalone and distributed), in the
-embedded runner's files (`fs_plugins.checkpoint`), each party writing its own.
+embedded runner's files (`fs_plugins.run.checkpoint`), each party writing its own.
 
 At the end of a due round t (after its evaluation content went out) the server snapshots its
 state and sends CHECKPOINT_MSG to every client; each client writes `client_<id>.round<t>`
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from fs_plugins.checkpoint import (CheckpointError, check_resumable, checkpointed_rounds,
+from fs_plugins.run.checkpoint import (CheckpointError, check_resumable, checkpointed_rounds,
                                    client_party, client_payload, pack, party_info, party_path,
                                    prune, read_info, read_party, restore_client, server_payload,
                                    set_rng_state, should_checkpoint, write_packed)

@@ -13,8 +13,8 @@ import functools
 import sys
 from typing import Mapping
 
-from fs_plugins.config import import_extra_modules, merge, parse_opts
-from fs_plugins.errors import ConfigError
+from fs_plugins.run.config import import_extra_modules, merge, parse_opts
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.metrics import REPORTED_METRICS
 from fs_plugins.schema.options import to_plain

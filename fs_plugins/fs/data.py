@@ -1,7 +1,7 @@
 """FS data plugin: `data.type: '<file.json|file.jsonl|builtin>@fsplug'`."""
 from __future__ import annotations
 
-from fs_plugins.config import client_overrides
+from fs_plugins.run.config import client_overrides
 from fs_plugins.data.federated import build_federated_records
 from fs_plugins.fs.config import fs_known_keys
 from fs_plugins.fs.logs import share_fs_logging

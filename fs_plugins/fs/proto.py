@@ -12,7 +12,7 @@ PROTO_NAME = 'gRPC_comm_manager.proto'
 
 
 def _cache_root() -> str:
-    from fs_plugins.models.cache import cache_dir  # standard library only, like this module
+    from fs_plugins.core.cache import cache_dir  # standard library only, like this module
     return os.path.join(cache_dir(), 'proto')
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ def party_comm_manager(role: str, distribute: dict | None = None, host: str = '1
     from federatedscope.core.configs.config import global_cfg
 
     from fs_plugins.fs.config import raise_grpc_limits
-    from fs_plugins.launch import free_ports
+    from fs_plugins.commands.launch import free_ports
     cfg = global_cfg.clone()
     cfg.federate.mode = 'distributed'
     cfg.distribute.role = role

@@ -1,5 +1,5 @@
 """`trainer.type: fsplug` — FS-LLM's LLMTrainer with its training hooks delegating to the
-method's client procedure (`fs_plugins.client.ClientProcedure`), the way FS's own FedMeZO
+method's client procedure (`fs_plugins.run.client.ClientProcedure`), the way FS's own FedMeZO
 trainer extends LLMTrainer. FS's hook pipeline (regulariser, monitors, wrappers) stays."""
 from __future__ import annotations
 

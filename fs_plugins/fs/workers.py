@@ -9,7 +9,7 @@ What they change in FS's flow, and why:
 - client -> server: shared parameters plus the method's extra payload and train metrics;
 - aggregation: `method.aggregate` on decoded updates (no FS aggregator involved);
 - `finish` is sent once (upstream sends it twice in distributed mode, which can hang);
-- models are saved as artifacts (fs_plugins.artifacts) at the rounds `should_save` names: the
+- models are saved as artifacts (fs_plugins.run.artifacts) at the rounds `should_save` names: the
   server writes the global state, every client its own model after it receives the evaluation
   content (or, at a save round without evaluation, a SAVE_MSG with that content);
 - whole-federation checkpoints and resume (fs_plugins.fs.checkpoints); a distributed client
@@ -26,9 +26,9 @@ import torch
 from federatedscope.core.message import Message
 from federatedscope.core.workers import Client, Server
 
-from fs_plugins.checkpoint import read_server, server_checkpoint_info, set_rng_state, write_client
-from fs_plugins.client import ClientProcedure
-from fs_plugins.config import Cfg, merge, to_plain
+from fs_plugins.run.checkpoint import read_server, server_checkpoint_info, set_rng_state, write_client
+from fs_plugins.run.client import ClientProcedure
+from fs_plugins.run.config import Cfg, merge, to_plain
 from fs_plugins.fs.checkpoints import (CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCheckpoints,
                                        resume_client)
 from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES
@@ -38,9 +38,9 @@ from fs_plugins.fs.wire import (MARKER, WireError, decode_update, encode_tensors
                                 encoded_size)
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import build_model
-from fs_plugins.results import ResultsLog
-from fs_plugins.runtime import initial_global, predictions_path, results_dir, run_info
-from fs_plugins.server import ServerProcedure
+from fs_plugins.run.results import ResultsLog
+from fs_plugins.run.runtime import initial_global, predictions_path, results_dir, run_info
+from fs_plugins.run.server import ServerProcedure
 
 logger = logging.getLogger(__name__)
 

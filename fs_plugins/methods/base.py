@@ -181,7 +181,7 @@ class Method:
 
     def artifact_extra(self, model: torch.nn.Module, state: dict) -> dict[str, torch.Tensor]:
         """Tensors besides the trained parameters that the saved model needs to equal this
-        client's model (fs_plugins.artifacts): changed frozen weights, settings the server
+        client's model (fs_plugins.run.artifacts): changed frozen weights, settings the server
         assigned. Names must not be trained parameters' names. Default: none."""
         return {}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import Method, Phase
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option

@@ -30,11 +30,11 @@ from statistics import mean
 import torch
 
 from fs_plugins.aggregation.mosaic import customised_globals, rela_weights
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import Method, differing_client_keys
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.seeding import derive_seed
 from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR, MosaicLinear
 from fs_plugins.tuners.mosaic.model import inject_mosaic
 from fs_plugins.tuners.mosaic.rela import RelaGradients, labelled_tokens, output_layer_gradient
@@ -160,7 +160,7 @@ class FedMosaic(Method):
             'same for every client')
 
     def pivot_config(self, cfg):
-        from fs_plugins.config import Cfg, to_plain
+        from fs_plugins.run.config import Cfg, to_plain
         plain = to_plain(cfg)
         plain['fsplug']['model']['builder'] = self.hparams.pivot_builder or plain['fsplug']['model']['builder']
         plain['model']['type'] = self.hparams.pivot_model_type or plain['model']['type']

@@ -21,7 +21,7 @@ import torch
 
 from fs_plugins.aggregation.activation import (activation_aware_average, activation_frequency,
                                                frequency_summary)
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
@@ -34,7 +34,7 @@ COUNTS_PREFIX = 'flame.counts.'       # + MoE block name: (E,) activation counts
 TOTALS_PREFIX = 'flame.total.'        # + MoE block name: () their total S_i (float64)
 STEPS_KEY = 'flame.steps'             # local steps of the round
 DEFAULT_TOP_K_KEY = 'flame.top_k'     # server -> client: the budget level assigned by id
-ARTIFACT_TOP_K = 'flame/top_k'      # the client's top-k in its saved model (fs_plugins.artifacts)
+ARTIFACT_TOP_K = 'flame/top_k'      # the client's top-k in its saved model (fs_plugins.run.artifacts)
 METRICS_KEY = 'flame_metrics'         # client state: this round's a/S summary (client_metrics)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.library_reuse import LibraryMethod
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.library_reuse import LibraryMethod
 from fs_plugins.methods.registry import register_method
 from fs_plugins.tuners.library import FlowMixture, attach_flow_gates, decoder_layer_of

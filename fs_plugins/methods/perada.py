@@ -33,8 +33,8 @@ from fs_plugins.methods.base import Phase, activate_adapters, load_tensors
 from fs_plugins.methods.ditto import GLOBAL, PERSONAL, Ditto, is_personal
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
-from fs_plugins.seeding import derive_seed
-from fs_plugins.server import tensor_signature
+from fs_plugins.core.seeding import derive_seed
+from fs_plugins.run.server import tensor_signature
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class PerAda(Ditto):
         config of the first update's client when the runner knows it, else the run's."""
         from fs_plugins.data.public import public_records
         from fs_plugins.models.builders import build_model
-        from fs_plugins.runtime import device_for
+        from fs_plugins.run.runtime import device_for
         cid = updates[0].client_id
         cfg = self.client_configs.get(cid, self.cfg)
         key = (cfg.fsplug.model.builder, str(cfg.model.type))

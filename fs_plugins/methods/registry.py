@@ -6,7 +6,7 @@ import dataclasses
 import importlib
 import pkgutil
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema.options import undocumented_fields
 
 _METHODS: dict = {}

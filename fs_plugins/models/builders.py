@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
-from fs_plugins.config import model_path
-from fs_plugins.errors import ConfigError
+from fs_plugins.run.config import model_path
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.models.codecs import Codec, TextCodec
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 
 
 def recomputing() -> bool:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.models.builders import DTYPES, LoadedBase, from_pretrained, register_builder
-from fs_plugins.models.cache import ensure_cached_dir
+from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.codecs import Codec, pad_examples
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.seeding import derive_seed
 
 # module names of a sequence classifier's head (transformers: `classifier`, or `score` for
 # decoder models); their parameters are the task head every method shares

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from fs_plugins.models.builders import LoadedBase, register_builder
-from fs_plugins.models.cache import ensure_cached_dir
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.cache import ensure_cached_dir
+from fs_plugins.core.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

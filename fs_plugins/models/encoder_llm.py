@@ -22,11 +22,11 @@ import torch
 
 from fs_plugins.data.instruction import IGNORE_INDEX
 from fs_plugins.data.multimodal import media_paths
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.models.builders import LoadedBase, TextCodec, _BUILDERS, register_builder
 from fs_plugins.models.codecs import TOKEN_KEYS, Codec, pad_examples
 from fs_plugins.models.encoders import load_encoder
-from fs_plugins.seeding import derive_seed
+from fs_plugins.core.seeding import derive_seed
 
 LANGUAGE_MODEL = 'language_model'
 MODALITY_PLACEHOLDER = '{modality}'

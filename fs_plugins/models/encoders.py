@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.models.builders import DTYPES, check_local_dir
 
 # whisper: 100 mel frames per second, halved by the second convolution

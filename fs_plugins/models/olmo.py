@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 from fs_plugins.models.builders import LoadedBase, load_causal_lm, register_builder
-from fs_plugins.models.cache import ensure_cached_dir
+from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.olmoe import build_tiny_dir, random_causal_lm
 
 TINY_OLMO_CONFIG = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fs_plugins.models.cache import ensure_cached_dir
+from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.tiny import build_tokenizer
 
 # fsplug.model.lora.target_parameters for LoRA on every expert of every MoE layer (fused gate/up)

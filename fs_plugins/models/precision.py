@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 
 QUANTIZATIONS = ('none', '8bit', '4bit')
 # builders whose base comes from transformers' from_pretrained, which takes a quantization_config

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import os
 
-from fs_plugins.models.cache import ensure_cached_dir
+from fs_plugins.core.cache import ensure_cached_dir
 
 logger = logging.getLogger(__name__)
 

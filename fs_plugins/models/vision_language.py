@@ -10,7 +10,7 @@ import logging
 import torch
 
 from fs_plugins.models.builders import LoadedBase, from_pretrained, load_weights, register_builder
-from fs_plugins.models.cache import ensure_cached_dir
+from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.codecs import (LLAVA15_PROMPT, LLAVA_IMAGE, QWEN2VL_IMAGE, QWEN2VL_PROMPT,
                                       MultimodalCodec)
 

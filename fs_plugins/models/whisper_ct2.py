@@ -20,7 +20,7 @@ import struct
 
 import numpy as np
 
-from fs_plugins.models.cache import ensure_cached_dir
+from fs_plugins.core.cache import ensure_cached_dir
 
 logger = logging.getLogger(__name__)
 

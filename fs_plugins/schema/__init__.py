@@ -1,6 +1,6 @@
 """The config schema: typed sections (`options`), the plugin's general nodes (`plugin`), the
 FS keys it reads (`fs_keys`) and validation (`validate`). No YAML loading here (see
-`fs_plugins.config`) and no FederatedScope import."""
+`fs_plugins.run.config`) and no FederatedScope import."""
 from fs_plugins.schema.options import build, check_section, defaults_of, describe, option, section
 from fs_plugins.schema.plugin import (DATA_TYPE_SUFFIX, MODEL_TYPE_SUFFIX, PLUGIN_NAME,
                                       PluginOptions)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 
 CONFIG_FILE = 'adapter_config.json'
 WEIGHT_FILES = ('adapter_model.safetensors', 'adapter_model.bin')

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fs_plugins.models.cache import ensure_cached_dir
+from fs_plugins.core.cache import ensure_cached_dir
 
 TINY_LIBRARY = {'tiny-a': (11, ['q_proj', 'v_proj', 'up_proj']),
                 'tiny-b': (12, ['q_proj', 'v_proj', 'down_proj'])}

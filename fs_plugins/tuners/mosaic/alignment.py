@@ -34,7 +34,7 @@ import torch
 from fs_plugins.aggregation.mosaic import (AlignmentMoments, a_alignment_loss_from_moments,
                                           align_a_from_moments, align_b, b_output_cca)
 from fs_plugins.data.public import public_records
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.tuners.mosaic.layer import MosaicLinear
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ def apply_alignment(model, pq_layers: dict[str, str],
 
 # ------------------------------------------------------------------------- orchestration
 def default_folder() -> str:
-    from fs_plugins.models.cache import cache_dir
+    from fs_plugins.core.cache import cache_dir
     return os.path.join(cache_dir(), 'fedmosaic_alignment')
 
 
@@ -311,5 +311,5 @@ def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
 
 
 def derive_alignment_seed(seed: int) -> int:
-    from fs_plugins.seeding import derive_seed
+    from fs_plugins.core.seeding import derive_seed
     return derive_seed(seed, 'fedmosaic-public-data')

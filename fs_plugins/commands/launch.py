@@ -28,9 +28,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from fs_plugins.config import load_config, merge, parse_opts, read_yaml
-from fs_plugins.errors import ConfigError
-from fs_plugins.runtime import results_dir
+from fs_plugins.run.config import load_config, merge, parse_opts, read_yaml
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.run.runtime import results_dir
 
 LAUNCH_DIR = 'launch'
 ROUND_LINE = re.compile(r'training (?:round )?\(Round #(\d+)\)')   # FS's server log, 0-based
@@ -50,10 +50,10 @@ def party_name(role: str, data_idx: int) -> str:
 @dataclass
 class Security:
     auth: str      # 'token' or 'certificate'
-    folder: str    # made by fs_plugins.credentials.make_credentials
+    folder: str    # made by fs_plugins.commands.credentials.make_credentials
 
     def layer(self, name: str) -> dict:
-        from fs_plugins.credentials import party_distribute
+        from fs_plugins.commands.credentials import party_distribute
         return {'fsplug': {'distribute': party_distribute(self.folder, name, self.auth)}}
 
 
@@ -141,7 +141,7 @@ def write_yaml(path: str, cfg: dict) -> str:
 
 
 def party_command(cfg_path: str, switches: list[str]) -> list[str]:
-    return [sys.executable, '-m', 'fs_plugins.cli', 'run', '--runner', 'fs', '--cfg', cfg_path,
+    return [sys.executable, '-m', 'fs_plugins.commands.cli', 'run', '--runner', 'fs', '--cfg', cfg_path,
             *switches]
 
 
@@ -175,7 +175,7 @@ class LocalFederation:
 
     def _make_credentials(self, client_ids, host: str) -> str:
         """A fresh CA and party credentials for this local run (kept when it is resumed)."""
-        from fs_plugins.credentials import make_credentials
+        from fs_plugins.commands.credentials import make_credentials
         folder = os.path.join(self.run_dir, LAUNCH_DIR, 'credentials')
         if os.path.isfile(os.path.join(folder, 'ca.pem')):
             return folder

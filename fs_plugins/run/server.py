@@ -9,9 +9,9 @@ import torch
 
 from fs_plugins.aggregation.average import client_weights
 from fs_plugins.methods.base import ClientUpdate, Method
-from fs_plugins.results import ResultsLog, payload_bytes
-from fs_plugins.seeding import derive_seed, use_deterministic_algorithms
-from fs_plugins.validation import signature_of, update_problem
+from fs_plugins.run.results import ResultsLog, payload_bytes
+from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
+from fs_plugins.run.validation import signature_of, update_problem
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ServerProcedure:
                 self.other_states[signature] = self.method.aggregate(state, members)
 
     def accepted(self, round_idx: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
-        """The updates that pass fs_plugins.validation; each rejection is logged (warning and
+        """The updates that pass fs_plugins.run.validation; each rejection is logged (warning and
         a 'rejected' results row naming the client and the reason)."""
         max_norm = float(self.cfg.fsplug.validation.max_update_norm)
         kept = []
@@ -120,7 +120,7 @@ class ServerProcedure:
         return self._expected[client_id]
 
     def _shapes_from_config(self, client_id: int) -> dict | None:
-        from fs_plugins.config import to_plain
+        from fs_plugins.run.config import to_plain
         client_cfg = self.method.client_configs.get(client_id)
         if not self.own_signature:   # the server was given no model to compare with
             return None
@@ -156,8 +156,8 @@ class ServerProcedure:
             freq > 0 and rounds_done % freq == 0)
 
     def save_global(self, run_dir: str, round_idx: int) -> int:
-        """Writes the global shared state under `run_dir`/adapters/global/ (fs_plugins.artifacts)."""
-        from fs_plugins.artifacts import global_dir, save_global_state
+        """Writes the global shared state under `run_dir`/adapters/global/ (fs_plugins.run.artifacts)."""
+        from fs_plugins.run.artifacts import global_dir, save_global_state
         return save_global_state(global_dir(run_dir), round_idx, self.cfg, self.method,
                                  self.state['global'], self.layout)
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from fs_plugins.config import data_name, model_path, to_plain
+from fs_plugins.run.config import data_name, model_path, to_plain
 from fs_plugins.methods.base import Method
 from fs_plugins.models.builders import build_model
 
@@ -49,7 +49,7 @@ def run_info(cfg, runner: str, client_names: dict, client_cfgs: dict | None = No
 def initial_global(cfg, method: Method):
     """The server's starting point, from a freshly built global model (then dropped): its
     shared parameters and the layout the global state is saved with (artifacts.ModelLayout)."""
-    from fs_plugins.artifacts import model_layout
+    from fs_plugins.run.artifacts import model_layout
     built = build_model(cfg, method)
     return (method.shared_tensors(built.model, built.trainable_names),
             model_layout(built.model, built.trainable_names))

@@ -12,7 +12,7 @@ import shutil
 
 import torch
 
-from fs_plugins.artifacts import ArtifactError, load_trained_with_config
+from fs_plugins.run.artifacts import ArtifactError, load_trained_with_config
 from fs_plugins.data.instruction import load_records, read_record_file
 from fs_plugins.data.multimodal import is_multimodal, with_absolute_images
 from fs_plugins.models.codecs import EncodedDataset, MultimodalCodec
@@ -60,7 +60,7 @@ def _batch_size(cfg, requested: int | None) -> int:
 
 
 def _device(requested: str | None, cfg) -> str:
-    from fs_plugins.runtime import device_for
+    from fs_plugins.run.runtime import device_for
     return requested or device_for(cfg)
 
 
@@ -77,7 +77,7 @@ def _load(run_dir: str, client: int | None, device: str | None):
 def predict(run_dir: str, input_path: str, client: int | None = None, batch_size: int | None = None,
             max_new_tokens: int | None = None, device: str | None = None) -> list[dict]:
     """Greedy answers of the run's model to every record of `input_path`, in batches."""
-    from fs_plugins.client import generate_answers
+    from fs_plugins.run.client import generate_answers
     _must_exist(input_path, 'Input file')
     built, cfg, device = _load(run_dir, client, device)
     records = read_prompts(input_path, isinstance(built.codec, MultimodalCodec))
@@ -95,7 +95,7 @@ def evaluate(run_dir: str, data_path: str, client: int | None = None, batch_size
     """The run's configured metrics on another dataset (records with answers, the format of
     the training data): answer-token loss and accuracy, plus fsplug.eval.gen_metrics when the
     run generated (fsplug.eval.generate)."""
-    from fs_plugins.client import generation_metrics, token_metrics
+    from fs_plugins.run.client import generation_metrics, token_metrics
     _must_exist(data_path, 'Data file')
     built, cfg, device = _load(run_dir, client, device)
     dataset = EncodedDataset(load_records(data_path), built.codec, data_path)

@@ -5,7 +5,7 @@ import warnings
 
 import torch
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema.options import to_plain
 
 

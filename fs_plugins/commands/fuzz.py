@@ -157,7 +157,7 @@ def run_mutation(plain: dict, mutation: Mutation, path: str) -> tuple[bool, str]
 
     import yaml
 
-    from fs_plugins.cli import main
+    from fs_plugins.commands.cli import main
     with open(path, 'w', encoding='utf-8') as handle:
         yaml.safe_dump(mutation.apply(plain), handle)
     printed = io.StringIO()

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 
 GIB = 1024 ** 3
 # optimiser state bytes per trainable float32 parameter, by train.optimizer.type
@@ -235,7 +235,7 @@ def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
 
 def estimate_run(cfg, client_cfgs=None, seq_len: int | None = None) -> list[Estimate]:
     """One estimate per client (clients with the same effective config are probed once)."""
-    from fs_plugins.config import client_config, client_overrides
+    from fs_plugins.run.config import client_config, client_overrides
     overrides = client_overrides(client_cfgs, cfg)
     clients = range(1, max(int(cfg.federate.client_num), 1) + 1)
     done: dict[str, Estimate] = {}

@@ -2,16 +2,16 @@
 `fs-plugins methods [--import MODULE ...]` lists the registered methods.
 `fs-plugins estimate --cfg X.yaml [--client_cfg C.yaml] [--seq-len N] [key value ...]` sizes each
 client's training (parameters, peak memory with and without gradient checkpointing, bytes per
-round) without reading any pretrained weight (see fs_plugins.estimate).
+round) without reading any pretrained weight (see fs_plugins.commands.estimate).
 `fs-plugins predict --run DIR [--client K] --input Q.jsonl [--output A.jsonl]` answers questions
 with a run's fine-tuned model; `fs-plugins eval --run DIR [--client K] --data FILE` re-evaluates
 it on another dataset; `fs-plugins export --run DIR [--client K] [--merge] --out DIR2` writes it
-as a Hugging Face folder (see fs_plugins.trained).
+as a Hugging Face folder (see fs_plugins.run.trained).
 `fs-plugins launch --cfg X.yaml [--client_cfg C.yaml]` runs FederatedScope's distributed mode
 as local processes; `--role server|client --data_idx K --server_host H` starts one party of a
-multi-host federation (see fs_plugins.launch); `--secure token|certificate` adds TLS and client
+multi-host federation (see fs_plugins.commands.launch); `--secure token|certificate` adds TLS and client
 authentication. `fs-plugins credentials --out DIR --clients N [--hosts H1,H2]` makes the CA,
-certificates, keys and client tokens for it (see fs_plugins.credentials).
+certificates, keys and client tokens for it (see fs_plugins.commands.credentials).
 
 With FederatedScope importable (and --runner auto or fs) the YAML runs through FS's own
 main.py; otherwise through the embedded runner, which says so in its first log line."""
@@ -48,14 +48,14 @@ def run_with_fs(cfg_path: str, client_cfg: str | None, opts: list[str]) -> None:
 def run_embedded_cli(cfg_path: str, client_cfg: str | None, opts: list[str], reason: str) -> None:
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(name)s %(levelname)s: %(message)s')
     logger.info(f'fs-plugins: running with the embedded runner ({reason})')
-    from fs_plugins.config import load_config, read_yaml
+    from fs_plugins.run.config import load_config, read_yaml
     from fs_plugins.sim.runner import run_embedded
     cfg = load_config(cfg_path, opts)
     run_embedded(cfg, read_yaml(client_cfg) if client_cfg else None)
 
 
 def list_methods(modules: list[str]) -> int:
-    from fs_plugins.config import import_extra_modules
+    from fs_plugins.run.config import import_extra_modules
     from fs_plugins.methods.registry import all_methods
     import_extra_modules(modules)
     print('\n'.join(sorted(all_methods())))
@@ -63,8 +63,8 @@ def list_methods(modules: list[str]) -> int:
 
 
 def estimate(args) -> int:
-    from fs_plugins.config import ConfigError, load_config, read_yaml
-    from fs_plugins.estimate import estimate_run, format_table
+    from fs_plugins.run.config import ConfigError, load_config, read_yaml
+    from fs_plugins.commands.estimate import estimate_run, format_table
     logging.basicConfig(level=logging.WARNING)
     try:
         cfg = load_config(args.cfg, args.opts)
@@ -102,9 +102,9 @@ def _write_jsonl(rows, path: str | None) -> None:
 def use_trained(args) -> int:
     """predict / eval / export on a run's saved model; bad input ends in one line naming it."""
     import json
-    from fs_plugins import trained
-    from fs_plugins.artifacts import ArtifactError
-    from fs_plugins.config import ConfigError
+    from fs_plugins.run import trained
+    from fs_plugins.run.artifacts import ArtifactError
+    from fs_plugins.run.config import ConfigError
     logging.basicConfig(level=logging.WARNING)
     try:
         if args.command == 'predict':
@@ -182,7 +182,7 @@ def _credentials_parser(sub) -> None:
 
 
 def credentials(args) -> int:
-    from fs_plugins.credentials import make_credentials, party_files
+    from fs_plugins.commands.credentials import make_credentials, party_files
     hosts = [h.strip() for h in args.hosts.split(',') if h.strip()]
     folder = make_credentials(args.out, range(1, args.clients + 1), hosts, args.days)
     print(f'fs-plugins credentials: written to {folder} (certificates for {", ".join(hosts)})\n'
@@ -193,8 +193,8 @@ def credentials(args) -> int:
 
 
 def launch(args) -> int:
-    from fs_plugins.config import ConfigError
-    from fs_plugins.launch import Address, LocalFederation, Security, launch_one
+    from fs_plugins.run.config import ConfigError
+    from fs_plugins.commands.launch import Address, LocalFederation, Security, launch_one
     if not fs_available():
         print('fs-plugins launch: FederatedScope is not importable (see README: Install)',
               file=sys.stderr)
@@ -279,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == 'credentials':
         return credentials(args)
 
-    from fs_plugins.config import ConfigError
-    from fs_plugins.checkpoint import CheckpointError
+    from fs_plugins.run.config import ConfigError
+    from fs_plugins.run.checkpoint import CheckpointError
     args.opts = run_switches(args) + list(args.opts)
     try:
         if args.runner == 'embedded':

@@ -42,7 +42,7 @@ class ResultsLog:
         if resume_rows is not None:
             self.rows = self._resumed_rows(resume_rows)
         elif not overwrite and os.path.isfile(self.jsonl_path) and os.path.getsize(self.jsonl_path):
-            from fs_plugins.errors import ConfigError
+            from fs_plugins.core.errors import ConfigError
             raise ConfigError([f"fsplug.results_dir: {out_dir} already holds a run's results "
                                f"(results.jsonl); choose another directory, replace them with "
                                f"--overwrite (fsplug.overwrite True) or continue that run with "

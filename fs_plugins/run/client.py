@@ -20,8 +20,8 @@ from fs_plugins.metrics.generation_metrics import GENERATION_METRICS, configure_
 from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.models.builders import DTYPES, BuiltModel
 from fs_plugins.models.precision import forward_context, grad_scaler, place_model
-from fs_plugins.optim import build_optimizer, build_scheduler, schedule_window
-from fs_plugins.seeding import use_deterministic_algorithms
+from fs_plugins.run.optim import build_optimizer, build_scheduler, schedule_window
+from fs_plugins.core.seeding import use_deterministic_algorithms
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +206,9 @@ class ClientProcedure:
 
     # ----------------------------------------------------------------- artifacts
     def save_model(self, run_dir: str, round_idx: int) -> int:
-        """Writes this client's model as it stands (fs_plugins.artifacts) under
+        """Writes this client's model as it stands (fs_plugins.run.artifacts) under
         `run_dir`/adapters/client_<id>/; returns the bytes written."""
-        from fs_plugins.artifacts import client_dir, save_client_model
+        from fs_plugins.run.artifacts import client_dir, save_client_model
         return save_client_model(client_dir(run_dir, self.client_id), self.client_id, round_idx,
                                  self.cfg, self.method, self.model, self.trainable_names,
                                  self.state)

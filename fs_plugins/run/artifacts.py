@@ -116,7 +116,7 @@ def readable_dir(path: str) -> str:
 
 # ----------------------------------------------------------------------- saving
 def base_info(cfg) -> dict:
-    from fs_plugins.config import model_path
+    from fs_plugins.run.config import model_path
     return {'model': model_path(cfg), 'builder': str(cfg.fsplug.model.builder),
             'dtype': str(cfg.fsplug.model.dtype), 'adapter': str(cfg.fsplug.model.adapter)}
 
@@ -405,7 +405,7 @@ def read_artifact(folder: str) -> dict:
 def saved_config(run_dir: str, meta: dict, client: int | None, folder: str):
     """The config that built the saved model (stored with it), checked against the run's
     config in run_info.json when the run directory has one."""
-    from fs_plugins.config import client_config, load_saved_config
+    from fs_plugins.run.config import client_config, load_saved_config
     if 'config' not in meta:
         raise ArtifactError(f'{folder}/{ARTIFACT_JSON} holds no config (written by an older version)')
     info = _run_info(run_dir)

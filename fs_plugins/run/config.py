@@ -12,7 +12,7 @@ from typing import Mapping
 
 import yaml
 
-from fs_plugins.errors import ConfigError
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema.options import to_plain
 from fs_plugins.schema.validate import fs_defaults, fsplug_defaults, validate
 
