@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from fs_plugins.run.config import load_config, merge, parse_opts, read_yaml
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.fs.ports import free_ports
 from fs_plugins.run.runtime import results_dir
 
 LAUNCH_DIR = 'launch'
@@ -113,17 +114,6 @@ def client_count(cfg) -> int:
         from fs_plugins.data.federated import build_federated_records
         return int(build_federated_records(cfg).client_num)
     return int(cfg.federate.client_num)
-
-
-def free_ports(count: int, host: str = '127.0.0.1') -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def is_listening(address: Address) -> bool:

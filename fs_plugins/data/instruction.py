@@ -10,7 +10,6 @@ from fs_plugins.data.multimodal import is_multimodal, resolve_images
 
 IGNORE_INDEX = -100
 # prompt templates of instruction records (fsplug.data.prompt)
-PROMPT_TEMPLATES = ('alpaca', 'plain')
 
 # The Alpaca template (with and without input), as FS-LLM and the papers use it.
 ALPACA_WITH_INPUT = (

@@ -2,30 +2,16 @@
 seed, returning one list of record indices per client."""
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.registry import SPLITTERS
 
-_SPLITTERS: dict[str, Callable] = {}
-
-
-def register_splitter(name: str):
-    def wrap(fn):
-        _SPLITTERS[name] = fn
-        return fn
-    return wrap
-
-
-def available() -> list[str]:
-    return sorted(_SPLITTERS)
+register_splitter = SPLITTERS.register
 
 
 def split(name: str, records: list[dict], client_num: int, seed: int, **kwargs) -> list[list[int]]:
-    if name not in _SPLITTERS:
-        raise ConfigError(f"data.splitter = '{name}' is not one of: {', '.join(available())}")
-    return _SPLITTERS[name](records, client_num, seed, **kwargs)
+    return SPLITTERS.get(name)(records, client_num, seed, **kwargs)
 
 
 def _labels(records: list[dict], field: str) -> list:

@@ -27,7 +27,6 @@ import numpy as np
 from fs_plugins.core.seeding import derive_seed
 
 TASK_RANK, TASK_COUNT, OWNER = '_task_rank', '_task_count', '_owner'
-TASK_ORDERS = ('sorted', 'rotated')
 
 
 def task_order(records: list[dict], field: str, order: str, client_id: int) -> list:

@@ -6,6 +6,9 @@ FS's yacs merge coerces values to the defaults' types before any check function 
 config are wrapped: the raw layer is merged into a plain copy and validated with
 `fs_plugins.schema.validate` (unknown keys checked against FS's own key tree), and every
 problem is raised at once as a ConfigError before FS merges. FS-only constants live here.
+
+FS's config module is imported only inside the functions that use it: importing it runs the
+autoload hook's `register_all`, which imports this module.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Mapping
 
 from fs_plugins.run.config import import_extra_modules, merge, parse_opts
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.fs.secure import raise_grpc_limits, read_credentials
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.metrics import REPORTED_METRICS
 from fs_plugins.schema.options import to_plain
@@ -51,7 +55,7 @@ def _to_cfg_node(cls, values: dict):
 def fill_missing(node, defaults: dict) -> None:
     """Adds defaults absent from `node` (sub-nodes of methods registered by import_modules
     after FS built its config)."""
-    from federatedscope.core.configs.config import CN
+    from federatedscope.core.configs.config import CN  # lazy: importing it runs register_all
     for key, value in defaults.items():
         if key not in node:
             node[key] = _to_cfg_node(CN, value) if isinstance(value, dict) else value
@@ -60,7 +64,7 @@ def fill_missing(node, defaults: dict) -> None:
 
 
 def extend_cfg(cfg) -> None:
-    from federatedscope.core.configs.config import CN
+    from federatedscope.core.configs.config import CN  # lazy: importing it runs register_all
     cfg.fsplug = _to_cfg_node(CN, fsplug_defaults())
     cfg.register_cfg_check_fun(check_fs_cfg)
 
@@ -85,7 +89,6 @@ def check_fs_cfg(cfg) -> None:
         raise ConfigError([f'{key} is not supported with fsplug methods; turn it off' for key in active])
     raise_grpc_limits(cfg)
     if str(cfg.federate.mode).lower() == 'distributed':
-        from fs_plugins.fs.secure import read_credentials
         read_credentials(cfg)   # every credentials problem named before a port opens
     if cfg.fsplug.data.evaluate_others and 'others' not in cfg.eval.split:
         cfg.eval.split.append('others')
@@ -93,14 +96,6 @@ def check_fs_cfg(cfg) -> None:
     for name in list(REPORTED_METRICS) + list(cfg.fsplug.eval.gen_metrics):
         if name not in cfg.eval.metrics:
             cfg.eval.metrics.append(name)
-
-
-def raise_grpc_limits(cfg) -> None:
-    """FS's gRPC message limits, raised to fsplug.distribute.max_message_mb where lower."""
-    limit = int(cfg.fsplug.distribute.max_message_mb) * 2 ** 20
-    for key in ('grpc_max_send_message_length', 'grpc_max_receive_message_length'):
-        if key in cfg.get('distribute', {}):   # absent from a client's partial config node
-            cfg.distribute[key] = max(int(cfg.distribute[key]), limit)
 
 
 def _is_plugin_root(node) -> bool:

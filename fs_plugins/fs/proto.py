@@ -1,6 +1,7 @@
 """Regenerates FS's gRPC message module from its own .proto with the installed protoc
 (grpcio-tools), into a cache directory keyed by the .proto's content and protobuf's version.
-Nothing generated is committed or written into the FS tree."""
+Nothing generated is committed or written into the FS tree. Imported by the autoload hook
+only once FS's proto package is: the standard library and `fs_plugins.core.cache` only."""
 from __future__ import annotations
 
 import hashlib
@@ -8,11 +9,12 @@ import os
 import shutil
 import tempfile
 
+from fs_plugins.core.cache import cache_dir
+
 PROTO_NAME = 'gRPC_comm_manager.proto'
 
 
 def _cache_root() -> str:
-    from fs_plugins.core.cache import cache_dir  # standard library only, like this module
     return os.path.join(cache_dir(), 'proto')
 
 
@@ -24,8 +26,8 @@ def regenerated_pb2(package_paths) -> str | None:
     if proto is None:
         return None
     try:
-        import google.protobuf
-        from grpc_tools import protoc
+        import google.protobuf  # lazy: optional (the `fs` extra); absent: FS's module is used
+        from grpc_tools import protoc  # lazy: optional (the `fs` extra); absent: FS's module is used
     except ImportError:
         return None
     with open(proto, 'rb') as handle:

@@ -26,9 +26,13 @@ import hmac
 import logging
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 
+import yaml
+
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.fs.ports import free_ports
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,14 @@ def party_name(party_id: int) -> str:
 
 
 # ------------------------------------------------------------------ reading and checking
+def raise_grpc_limits(cfg) -> None:
+    """FS's gRPC message limits, raised to fsplug.distribute.max_message_mb where lower."""
+    limit = int(cfg.fsplug.distribute.max_message_mb) * 2 ** 20
+    for key in ('grpc_max_send_message_length', 'grpc_max_receive_message_length'):
+        if key in cfg.get('distribute', {}):   # absent from a client's partial config node
+            cfg.distribute[key] = max(int(cfg.distribute[key]), limit)
+
+
 def read_credentials(cfg) -> Credentials:
     """The credentials `fsplug.distribute` names for this party (FS's distribute.role); every
     problem (a missing key, an unreadable file, a short token) at once, naming key and path."""
@@ -109,7 +121,6 @@ def _read_own_token(path: str, problems: list[str]) -> str:
 
 
 def _read_client_tokens(path: str, problems: list[str]) -> dict[int, str]:
-    import yaml
     key = 'fsplug.distribute.client_tokens'
     if not path:
         problems.append(f'{key}: the server needs the clients\' tokens with auth: token')
@@ -164,16 +175,18 @@ def refusal(credentials: Credentials, sender, token: str, common_name: str) -> s
 
 
 # ------------------------------------------------------------------ gRPC
+# FS and grpc are imported on first use: this module's reading and checking also serve
+# `fs-plugins launch` and the embedded runner, where neither need be installed.
 def _grpc_parts():
-    import grpc
-    from federatedscope.core.communication import gRPCCommManager
-    from federatedscope.core.gRPC_server import gRPCComServeFunc
-    from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc
+    import grpc  # lazy: only FS's distributed mode needs grpc (the `fs` extra)
+    from federatedscope.core.communication import gRPCCommManager  # lazy: FS loads on first use
+    from federatedscope.core.gRPC_server import gRPCComServeFunc  # lazy: FS loads on first use
+    from federatedscope.core.proto import gRPC_comm_manager_pb2_grpc  # lazy: FS loads on first use
     return grpc, gRPCCommManager, gRPCComServeFunc, gRPC_comm_manager_pb2_grpc
 
 
 def _sender_of(request):
-    from federatedscope.core.message import Message
+    from federatedscope.core.message import Message  # lazy: FS loads on first use
     try:
         return int(Message()._parse_msg(request.msg['sender']))
     except (TypeError, ValueError, AttributeError):
@@ -192,164 +205,190 @@ def _common_name(context) -> str:
     return names[0].decode('utf-8', errors='replace')
 
 
+def _is_handshake_failure(error) -> bool:
+    details = str(error.details()).lower()
+    return 'handshake' in details or 'ssl' in details
+
+
 class CredentialsRefused(RuntimeError):
     """Another party refused this party's message: the reason is in the text."""
 
 
-def _make_classes():
-    grpc, fs_comm_manager, fs_serve_func, pb2_grpc = _grpc_parts()
+class _CheckedServeFunc:
+    """FS's receiving servicer; a message is queued only when its sender's credentials
+    match (`refusal`). `receive` sleeps until one arrives: FS's spins, a whole CPU core
+    per waiting process, which the training processes of a one-machine federation need.
+    Mixed into FS's gRPCComServeFunc by `comm_classes`, which sets `_grpc`."""
+    _grpc = None   # the grpc module
 
-    class CheckedServeFunc(fs_serve_func):
-        """FS's receiving servicer; a message is queued only when its sender's credentials
-        match (`refusal`). `receive` sleeps until one arrives: FS's spins, a whole CPU core
-        per waiting process, which the training processes of a one-machine federation need."""
+    def __init__(self, credentials: Credentials):
+        super().__init__()
+        self.credentials = credentials
+        self.refused = 0
+        self._arrived = threading.Condition()
 
-        def __init__(self, credentials: Credentials):
-            super().__init__()
-            self.credentials = credentials
-            self.refused = 0
-            self._arrived = threading.Condition()
+    def receive(self):
+        with self._arrived:
+            self._arrived.wait_for(lambda: self.msg_queue)
+            return self.msg_queue.popleft()
 
-        def receive(self):
-            with self._arrived:
-                self._arrived.wait_for(lambda: self.msg_queue)
-                return self.msg_queue.popleft()
+    def sendMessage(self, request, context):
+        sender = _sender_of(request)
+        reason = refusal(self.credentials, sender, _metadata_value(context, TOKEN_METADATA),
+                         _common_name(context))
+        if reason:
+            self.refused += 1
+            logger.warning(f'fsplug: refused a message claiming to come from '
+                           f'{party_name(sender) if isinstance(sender, int) else "?"} '
+                           f'(peer {context.peer()}): {reason}')
+            context.abort(self._grpc.StatusCode.UNAUTHENTICATED, reason)
+        with self._arrived:
+            response = super().sendMessage(request, context)
+            self._arrived.notify()
+        return response
 
-        def sendMessage(self, request, context):
-            sender = _sender_of(request)
-            reason = refusal(self.credentials, sender, _metadata_value(context, TOKEN_METADATA),
-                             _common_name(context))
-            if reason:
-                self.refused += 1
-                logger.warning(f'fsplug: refused a message claiming to come from '
-                               f'{party_name(sender) if isinstance(sender, int) else "?"} '
-                               f'(peer {context.peer()}): {reason}')
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-            with self._arrived:
-                response = super().sendMessage(request, context)
-                self._arrived.notify()
-            return response
 
-    class PluginCommManager(fs_comm_manager):
-        """FS's gRPCCommManager with TLS and authentication (`Credentials`), one channel per
-        peer kept open, byte counts, and errors that name the party: a client that cannot
-        reach the server retries for connect_timeout_s, then fails; a refused message fails
-        its sender; a server that cannot reach a client warns and goes on (as FS: the client
-        may rejoin)."""
+class _PluginCommManager:
+    """FS's gRPCCommManager with TLS and authentication (`Credentials`), one channel per
+    peer kept open, byte counts, and errors that name the party: a client that cannot
+    reach the server retries for connect_timeout_s, then fails; a refused message fails
+    its sender; a server that cannot reach a client warns and goes on (as FS: the client
+    may rejoin). Mixed into FS's gRPCCommManager by `comm_classes`, which sets `_grpc`,
+    `_pb2_grpc` (FS's generated gRPC module) and `_serve_func` (the checked servicer)."""
+    _grpc = _pb2_grpc = _serve_func = None
 
-        def __init__(self, credentials: Credentials, connect_timeout_s: float,
-                     host='0.0.0.0', port='50050', client_num=2, cfg=None):
-            self.credentials = credentials
-            self.connect_timeout_s = connect_timeout_s
-            self._channels: dict = {}
-            self._channel_options = [
-                ('grpc.max_send_message_length', cfg.grpc_max_send_message_length),
-                ('grpc.max_receive_message_length', cfg.grpc_max_receive_message_length),
-                ('grpc.enable_http_proxy', 0)]
-            self.sent_messages = self.sent_bytes = 0
-            super().__init__(host=host, port=port, client_num=client_num, cfg=cfg)
-            if credentials.auth == 'none' and str(host) not in LOOPBACK:
-                logger.warning(f'fsplug: {host}:{port} listens without client authentication '
-                               f'({credentials.describe()}): any process that reaches it can '
-                               f'send under any id (set fsplug.distribute.auth; README: '
-                               f'Running across machines)')
+    def __init__(self, credentials: Credentials, connect_timeout_s: float,
+                 host='0.0.0.0', port='50050', client_num=2, cfg=None):
+        self.credentials = credentials
+        self.connect_timeout_s = connect_timeout_s
+        self._channels: dict = {}
+        self._channel_options = [
+            ('grpc.max_send_message_length', cfg.grpc_max_send_message_length),
+            ('grpc.max_receive_message_length', cfg.grpc_max_receive_message_length),
+            ('grpc.enable_http_proxy', 0)]
+        self.sent_messages = self.sent_bytes = 0
+        super().__init__(host=host, port=port, client_num=client_num, cfg=cfg)
+        if credentials.auth == 'none' and str(host) not in LOOPBACK:
+            logger.warning(f'fsplug: {host}:{port} listens without client authentication '
+                           f'({credentials.describe()}): any process that reaches it can '
+                           f'send under any id (set fsplug.distribute.auth; README: '
+                           f'Running across machines)')
 
-        def serve(self, max_workers, host, port, options):
-            from concurrent import futures
-            self.server_funcs = CheckedServeFunc(self.credentials)
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                                 compression=self.comp_method, options=options)
-            pb2_grpc.add_gRPCComServeFuncServicer_to_server(self.server_funcs, server)
-            address = f'{host}:{port}'
-            if self.credentials.tls:
-                ca, cert, key = self.credentials.tls
-                server.add_secure_port(address, grpc.ssl_server_credentials(
-                    [(key, cert)], root_certificates=ca,
-                    require_client_auth=self.credentials.auth == 'certificate'))
-            else:
-                server.add_insecure_port(address)
-            server.start()
-            return server
+    # ---------------------------------------------------------------- receiving
+    def serve(self, max_workers, host, port, options):
+        self.server_funcs = self._serve_func(self.credentials)
+        server = self._grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                   compression=self.comp_method, options=options)
+        self._pb2_grpc.add_gRPCComServeFuncServicer_to_server(self.server_funcs, server)
+        self._add_port(server, f'{host}:{port}')
+        server.start()
+        return server
 
-        def send(self, message):
-            receivers = message.receiver
-            if receivers is None:
-                receivers = list(self.neighbors)
-            elif not isinstance(receivers, list):
-                receivers = [receivers]
-            request = message.transform(to_list=True)
-            for receiver in receivers:
-                if receiver in self.neighbors:
-                    self._deliver(receiver, request, message.msg_type)
+    def _add_port(self, server, address: str) -> None:
+        """TLS when configured (client certificates required with auth: certificate)."""
+        if self.credentials.tls:
+            ca, cert, key = self.credentials.tls
+            server.add_secure_port(address, self._grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=ca,
+                require_client_auth=self.credentials.auth == 'certificate'))
+        else:
+            server.add_insecure_port(address)
 
-        def _deliver(self, receiver, request, msg_type: str) -> None:
-            address = self.neighbors[receiver]
-            metadata = self._metadata(receiver)
-            retry_until = time.monotonic() + (self.connect_timeout_s
-                                              if self.credentials.role == 'client' else 0)
-            while True:
-                try:
-                    self._stub(address).sendMessage(request, metadata=metadata)
-                    self.sent_messages += 1
-                    self.sent_bytes += request.ByteSize()
+    # ---------------------------------------------------------------- sending
+    def send(self, message):
+        receivers = message.receiver
+        if receivers is None:
+            receivers = list(self.neighbors)
+        elif not isinstance(receivers, list):
+            receivers = [receivers]
+        request = message.transform(to_list=True)
+        for receiver in receivers:
+            if receiver in self.neighbors:
+                self._deliver(receiver, request, message.msg_type)
+
+    def _deliver(self, receiver, request, msg_type: str) -> None:
+        address = self.neighbors[receiver]
+        metadata = self._metadata(receiver)
+        retry_until = time.monotonic() + (self.connect_timeout_s
+                                          if self.credentials.role == 'client' else 0)
+        while True:
+            try:
+                self._stub(address).sendMessage(request, metadata=metadata)
+                self.sent_messages += 1
+                self.sent_bytes += request.ByteSize()
+                return
+            except self._grpc.RpcError as error:
+                self._close_channel(address)
+                if not self._retry_after(error, f'{party_name(receiver)} at {address}',
+                                         msg_type, retry_until):
                     return
-                except grpc.RpcError as error:
-                    self._close_channel(address)
-                    what = f"{party_name(receiver)} at {address}"
-                    if error.code() in (grpc.StatusCode.UNAUTHENTICATED,
-                                        grpc.StatusCode.PERMISSION_DENIED):
-                        raise CredentialsRefused(f'fsplug: {what} refused the {msg_type!r} '
-                                                 f'message: {error.details()}') from None
-                    handshake = 'handshake' in str(error.details()).lower() or \
-                        'ssl' in str(error.details()).lower()
-                    if error.code() == grpc.StatusCode.UNAVAILABLE and not handshake and \
-                            time.monotonic() < retry_until:
-                        time.sleep(RETRY_S)
-                        continue
-                    reason = f'{error.code().name}: {error.details()}'
-                    if self.credentials.role == 'client':
-                        raise ConnectionError(f'fsplug: cannot deliver {msg_type!r} to {what} '
-                                              f'({reason}); check the address and, with TLS, '
-                                              f'fsplug.distribute.tls_*') from None
-                    logger.warning(f'fsplug: {msg_type!r} not delivered to {what} ({reason})')
-                    return
+                time.sleep(RETRY_S)
 
-        def _metadata(self, receiver) -> tuple:
-            if self.credentials.auth != 'token':
-                return ()
-            token = (self.credentials.own_token if self.credentials.role == 'client'
-                     else self.credentials.client_tokens.get(receiver, ''))
-            return ((TOKEN_METADATA, token),)
+    def _retry_after(self, error, what: str, msg_type: str, retry_until: float) -> bool:
+        """After a failed delivery to `what`: True to try again (unreachable, within the
+        client's connect timeout); otherwise raises on a client (CredentialsRefused when the
+        receiver refused) and warns on the server, returning False."""
+        status = self._grpc.StatusCode
+        if error.code() in (status.UNAUTHENTICATED, status.PERMISSION_DENIED):
+            raise CredentialsRefused(f'fsplug: {what} refused the {msg_type!r} '
+                                     f'message: {error.details()}') from None
+        if error.code() == status.UNAVAILABLE and not _is_handshake_failure(error) and \
+                time.monotonic() < retry_until:
+            return True
+        reason = f'{error.code().name}: {error.details()}'
+        if self.credentials.role == 'client':
+            raise ConnectionError(f'fsplug: cannot deliver {msg_type!r} to {what} '
+                                  f'({reason}); check the address and, with TLS, '
+                                  f'fsplug.distribute.tls_*') from None
+        logger.warning(f'fsplug: {msg_type!r} not delivered to {what} ({reason})')
+        return False
 
-        def _stub(self, address: str):
-            if address not in self._channels:
-                if self.credentials.tls:
-                    ca, cert, key = self.credentials.tls
-                    channel = grpc.secure_channel(
-                        address, grpc.ssl_channel_credentials(ca, key, cert),
-                        options=self._channel_options, compression=self.comp_method)
-                else:
-                    channel = grpc.insecure_channel(address, options=self._channel_options,
-                                                    compression=self.comp_method)
-                self._channels[address] = (pb2_grpc.gRPCComServeFuncStub(channel), channel)
-            return self._channels[address][0]
+    def _metadata(self, receiver) -> tuple:
+        if self.credentials.auth != 'token':
+            return ()
+        token = (self.credentials.own_token if self.credentials.role == 'client'
+                 else self.credentials.client_tokens.get(receiver, ''))
+        return ((TOKEN_METADATA, token),)
 
-        def _close_channel(self, address: str) -> None:
-            stub_and_channel = self._channels.pop(address, None)
-            if stub_and_channel:
-                stub_and_channel[1].close()
+    def _stub(self, address: str):
+        if address not in self._channels:
+            channel = self._open_channel(address)
+            self._channels[address] = (self._pb2_grpc.gRPCComServeFuncStub(channel), channel)
+        return self._channels[address][0]
 
-        def summary(self) -> str:
-            return (f'sent {self.sent_messages} messages, {self.sent_bytes} bytes '
-                    f'({self.credentials.describe()}); refused {self.server_funcs.refused}')
+    def _open_channel(self, address: str):
+        if self.credentials.tls:
+            ca, cert, key = self.credentials.tls
+            return self._grpc.secure_channel(
+                address, self._grpc.ssl_channel_credentials(ca, key, cert),
+                options=self._channel_options, compression=self.comp_method)
+        return self._grpc.insecure_channel(address, options=self._channel_options,
+                                           compression=self.comp_method)
 
-    return CheckedServeFunc, PluginCommManager
+    def _close_channel(self, address: str) -> None:
+        stub_and_channel = self._channels.pop(address, None)
+        if stub_and_channel:
+            stub_and_channel[1].close()
+
+    def summary(self) -> str:
+        return (f'sent {self.sent_messages} messages, {self.sent_bytes} bytes '
+                f'({self.credentials.describe()}); refused {self.server_funcs.refused}')
+
+
+def _on_fs_class(mixin, fs_class, name: str, **attributes):
+    """Class `name`: `mixin`'s methods over FS's `fs_class`, with `attributes` set on it."""
+    return type(name, (mixin, fs_class), {'__module__': __name__, '__qualname__': name,
+                                          '__doc__': mixin.__doc__, **attributes})
 
 
 @functools.lru_cache(maxsize=1)
 def comm_classes():
     """(CheckedServeFunc, PluginCommManager), built on FS's classes (imported on first use)."""
-    return _make_classes()
+    grpc, fs_comm_manager, fs_serve_func, pb2_grpc = _grpc_parts()
+    serve_func = _on_fs_class(_CheckedServeFunc, fs_serve_func, 'CheckedServeFunc', _grpc=grpc)
+    comm_manager = _on_fs_class(_PluginCommManager, fs_comm_manager, 'PluginCommManager',
+                                _grpc=grpc, _pb2_grpc=pb2_grpc, _serve_func=serve_func)
+    return serve_func, comm_manager
 
 
 def comm_manager_factory(cfg):
@@ -364,10 +403,7 @@ def party_comm_manager(role: str, distribute: dict | None = None, host: str = '1
     `distribute` as its fsplug.distribute and gRPC limits raised as a run raises them (for
     tools and tests that talk to a federation directly); listening on a free port unless
     `port` is given."""
-    from federatedscope.core.configs.config import global_cfg
-
-    from fs_plugins.fs.config import raise_grpc_limits
-    from fs_plugins.commands.launch import free_ports
+    from federatedscope.core.configs.config import global_cfg  # lazy: FS loads on first use
     cfg = global_cfg.clone()
     cfg.federate.mode = 'distributed'
     cfg.distribute.role = role
@@ -380,8 +416,8 @@ def party_comm_manager(role: str, distribute: dict | None = None, host: str = '1
 @contextlib.contextmanager
 def plugin_comm_manager(cfg):
     """While FS's Server/Client __init__ runs, its gRPCCommManager is the plugin's."""
-    import federatedscope.core.workers.client as fs_client
-    import federatedscope.core.workers.server as fs_server
+    import federatedscope.core.workers.client as fs_client  # lazy: FS loads on first use
+    import federatedscope.core.workers.server as fs_server  # lazy: FS loads on first use
     factory = comm_manager_factory(cfg)
     saved = fs_server.gRPCCommManager, fs_client.gRPCCommManager
     fs_server.gRPCCommManager = fs_client.gRPCCommManager = factory

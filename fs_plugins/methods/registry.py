@@ -6,11 +6,8 @@ import dataclasses
 import importlib
 import pkgutil
 
-from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.registry import METHODS
 from fs_plugins.schema.options import undocumented_fields
-
-_METHODS: dict = {}
-_DISCOVERED = False
 
 
 def register_method(cls):
@@ -28,32 +25,26 @@ def register_method(cls):
     if undocumented:
         raise TypeError(f"{cls.__name__}.config_class: give these keys a help text with "
                         f"option(...): {', '.join(undocumented)}")
-    known = _METHODS.get(cls.name)
+    known = METHODS.registered(cls.name)
     if known is not None and known.__qualname__ != cls.__qualname__:
         raise ValueError(f"Method name '{cls.name}' is taken by {known.__module__}.{known.__qualname__}")
-    _METHODS[cls.name] = cls
+    METHODS.add(cls.name, cls)
     return cls
 
 
 def all_methods() -> dict:
-    _discover_package_methods()
-    return dict(_METHODS)
+    return dict(METHODS.items())
 
 
 def get_method_class(name: str):
-    methods = all_methods()
-    if name not in methods:
-        raise ConfigError(f"fsplug.method = '{name}' is not a known method; allowed: "
-                          f"{', '.join(sorted(methods))}")
-    return methods[name]
+    return METHODS.get(name)
 
 
 def _discover_package_methods() -> None:
-    """Imports every module of fs_plugins.methods once (they register on import)."""
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True
-    import fs_plugins.methods as package
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f'{package.__name__}.{module.name}')
+    """Imports every module of this package (they register on import)."""
+    package = __name__.rsplit('.', 1)[0]
+    for module in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        importlib.import_module(f'{package}.{module.name}')
+
+
+METHODS.discover_with(_discover_package_methods)

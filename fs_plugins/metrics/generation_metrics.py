@@ -6,6 +6,7 @@ saved predictions (scripts/judge_reports.py). Metrics with settings in fsplug.ev
 backbone) read them from `configure_generation_metrics`, which the evaluation calls first."""
 from __future__ import annotations
 
+from fs_plugins.core import registry
 from fs_plugins.metrics import bertscore
 from fs_plugins.metrics.detection import detection_iou
 from fs_plugins.metrics.text import bleu, meteor, rouge_l
@@ -22,6 +23,8 @@ GENERATION_METRICS = {
     'bertscore_r': bertscore.bertscore_r,
     'bertscore_f1': bertscore.bertscore_f1,
 }
+for _name, _metric in GENERATION_METRICS.items():
+    registry.GENERATION_METRICS.add(_name, _metric)
 
 
 def generation_metric(name: str):

@@ -15,17 +15,18 @@ import torch
 
 from fs_plugins.run.config import model_path
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.registry import ADAPTERS, MODEL_BUILDERS
 from fs_plugins.models.codecs import Codec, TextCodec
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.schema.plugin import DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
 
-_BUILDERS: dict[str, Callable] = {}
 # Frozen base tensors already loaded in this process, keyed by (builder, path, dtype):
 # clients of one process share them instead of holding a copy each.
 _FROZEN_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # Set by `architecture_only`: base models are made from their config alone (no weights read).
 _ARCHITECTURE_ONLY: contextvars.ContextVar = contextvars.ContextVar('architecture_only', default=None)
@@ -54,23 +55,7 @@ def _with_layers(config, layers: dict[str, int]):
     return config
 
 
-def register_builder(name: str):
-    def wrap(fn):
-        _BUILDERS[name] = fn
-        return fn
-    return wrap
-
-
-def available() -> list[str]:
-    _load_builder_modules()
-    return sorted(_BUILDERS)
-
-
-def _load_builder_modules() -> None:
-    # imported here, not at module top: these modules register builders through this one
-    from fs_plugins.models import easyvqa_llava, olmo, vision_language  # noqa: F401
-    from fs_plugins.models import easyvqa_llava_small, encoder_llm  # noqa: F401
-    from fs_plugins.models import classifier  # noqa: F401
+register_builder = MODEL_BUILDERS.register
 
 
 def _looks_local(path: str) -> bool:
@@ -203,12 +188,13 @@ def vera_adapter(model_cfg, seed: int):
 
 
 # fsplug.model.adapter -> peft config factory
-ADAPTERS: dict[str, Callable] = {'lora': lora_adapter, 'vera': vera_adapter}
+ADAPTERS.add('lora', lora_adapter)
+ADAPTERS.add('vera', vera_adapter)
 
 
 def adapter_config(model_cfg, seed: int):
     """peft config for fsplug.model.adapter."""
-    return ADAPTERS[model_cfg.adapter](model_cfg, seed)
+    return ADAPTERS.get(model_cfg.adapter)(model_cfg, seed)
 
 
 def scoped_targets(targets, scope: str | None, others: dict[str, list[str]] | None = None):
@@ -295,8 +281,7 @@ def unfreeze_non_adapter_modules(model: torch.nn.Module, base: LoadedBase, visio
 def load_base(cfg) -> LoadedBase:
     """The frozen base model (no adapter) and its codec, from fsplug.model.builder and
     model.type."""
-    _load_builder_modules()
-    base = _BUILDERS[cfg.fsplug.model.builder](cfg, model_path(cfg))
+    base = MODEL_BUILDERS.get(cfg.fsplug.model.builder)(cfg, model_path(cfg))
     for param in base.model.parameters():
         param.requires_grad_(False)
     return base

@@ -23,7 +23,8 @@ import torch
 from fs_plugins.data.instruction import IGNORE_INDEX
 from fs_plugins.data.multimodal import media_paths
 from fs_plugins.core.errors import ConfigError
-from fs_plugins.models.builders import LoadedBase, TextCodec, _BUILDERS, register_builder
+from fs_plugins.core.registry import MODEL_BUILDERS
+from fs_plugins.models.builders import LoadedBase, TextCodec, register_builder
 from fs_plugins.models.codecs import TOKEN_KEYS, Codec, pad_examples
 from fs_plugins.models.encoders import load_encoder
 from fs_plugins.core.seeding import derive_seed
@@ -215,7 +216,7 @@ def check_prompt_pieces(prompt: dict) -> None:
 def language_model_base(cfg, path: str) -> LoadedBase:
     """The LLM from fsplug.model.multimodal.llm_builder (a text builder) and model.type."""
     name = cfg.fsplug.model.multimodal.llm_builder
-    base = _BUILDERS[name](cfg, path)
+    base = MODEL_BUILDERS.get(name)(cfg, path)
     if not isinstance(base.codec, TextCodec):
         raise ConfigError(f"fsplug.model.multimodal.llm_builder = '{name}' is not a text "
                           f"language-model builder (use causal_lm, smollm2 or tiny_llama)")

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.registry import ENCODER_BACKENDS
 from fs_plugins.models.builders import DTYPES, check_local_dir
 
 # whisper: 100 mel frames per second, halved by the second convolution
@@ -255,21 +256,20 @@ def load_imagebind(path, options, cfg) -> LoadedEncoder:
 
 
 # backend -> (modalities it encodes, loader(path, options, cfg))
-ENCODER_BACKENDS: dict[str, tuple[frozenset, Callable]] = {
-    'clip': (frozenset({'image'}), load_clip),
-    'siglip': (frozenset({'image'}), load_siglip),
-    'easyvqa_clip': (frozenset({'image'}), load_easyvqa_clip),
-    'tiny_clip': (frozenset({'image'}), load_tiny_clip),
-    'whisper': (frozenset({'audio'}), load_whisper),
-    'tiny_whisper': (frozenset({'audio'}), load_tiny_whisper),
-    'imagebind': (frozenset({'image', 'audio'}), load_imagebind),
-}
+for _name, _modalities, _loader in [('clip', {'image'}, load_clip),
+                                    ('siglip', {'image'}, load_siglip),
+                                    ('easyvqa_clip', {'image'}, load_easyvqa_clip),
+                                    ('tiny_clip', {'image'}, load_tiny_clip),
+                                    ('whisper', {'audio'}, load_whisper),
+                                    ('tiny_whisper', {'audio'}, load_tiny_whisper),
+                                    ('imagebind', {'image', 'audio'}, load_imagebind)]:
+    ENCODER_BACKENDS.add(_name, (frozenset(_modalities), _loader))
 
 
 def load_encoder(modality: str, options: dict, cfg) -> LoadedEncoder:
     """The encoder `fsplug.model.multimodal.<modality>` configures (`options`: that node)."""
     backend = options['backend']
-    modalities, loader = ENCODER_BACKENDS[backend]
+    modalities, loader = ENCODER_BACKENDS.get(backend)
     if modality not in modalities:
         raise ConfigError(f"fsplug.model.multimodal.{modality}.backend = '{backend}' encodes "
                           f"{sorted(modalities)}, not {modality}")

@@ -16,7 +16,6 @@ import torch
 
 from fs_plugins.core.errors import ConfigError
 
-QUANTIZATIONS = ('none', '8bit', '4bit')
 # builders whose base comes from transformers' from_pretrained, which takes a quantization_config
 QUANTIZABLE_BUILDERS = ('causal_lm', 'tiny_llama', 'smollm2', 'olmoe', 'tiny_olmoe', 'llava',
                         'tiny_llava', 'qwen2_vl', 'tiny_qwen2_vl')

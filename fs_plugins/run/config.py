@@ -12,7 +12,12 @@ from typing import Mapping
 
 import yaml
 
+# the packages that fill the registries the schema offers as allowed values
+import fs_plugins.data  # noqa: F401  (splitters)
+import fs_plugins.metrics  # noqa: F401  (generation and reported metrics)
+import fs_plugins.models  # noqa: F401  (model builders, encoders, adapters)
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.methods.registry import get_method_class
 from fs_plugins.schema.options import to_plain
 from fs_plugins.schema.validate import fs_defaults, fsplug_defaults, validate
 
@@ -157,7 +162,6 @@ def load_saved_config(plain: Mapping, source: str) -> Cfg:
 def resolve_derived(cfg) -> None:
     """Fills keys FS derives itself (sample_client_num from the rate) and those the method
     derives (`Method.resolve_config`)."""
-    from fs_plugins.methods.registry import get_method_class
     fed = cfg.federate
     if fed.sample_client_num <= 0 and fed.client_num > 0:
         rate = float(fed.sample_client_rate)
@@ -170,7 +174,6 @@ def client_overrides(client_cfgs, cfg, fs_known: Mapping | None = None) -> dict[
     """Checks a `--client_cfg` mapping ({'client_3': {...}}) against the run's config and
     returns {3: {...}}. Every problem is reported, each naming its client. fs_known: FS's key
     tree under FederatedScope (see `fs_plugins.schema.validate`)."""
-    from fs_plugins.methods.registry import get_method_class
     client_num = int(cfg.federate.client_num)
     out, problems = {}, []
     for key, value in (client_cfgs or {}).items():

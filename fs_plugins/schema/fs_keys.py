@@ -7,17 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fs_plugins.core.registry import GENERATION_METRICS, REPORTED_METRICS, SPLITTERS
 from fs_plugins.schema.options import option, section
 
 
-def _splitters():
-    from fs_plugins.data.splitters import available
-    return available()
-
-
-def _eval_metrics():
-    from fs_plugins.metrics import evaluation_metric_names
-    return evaluation_metric_names()
+def evaluation_metric_names() -> list[str]:
+    """Every test_<metric> a client's evaluation can report (the choices of FS's
+    eval.best_res_update_round_wise_key for fsplug runs)."""
+    return ['test_avg_loss'] + [f'test_{name}' for name in
+                                REPORTED_METRICS.names() + GENERATION_METRICS.names()]
 
 
 @dataclass
@@ -38,7 +36,7 @@ class FederateKeys:
 class DataKeys:
     root: str = option('data', 'folder of data files and of the builtin datasets it writes')
     type: str = option('', "'<file.json|file.jsonl|builtin name>@fsplug'")
-    splitter: str = option('', 'how records become clients', choices=_splitters)
+    splitter: str = option('', 'how records become clients', choices=SPLITTERS.names)
 
 
 @dataclass
@@ -91,7 +89,7 @@ class EvalKeys:
     freq: int = option(1, 'evaluate every freq rounds (and after the last)', ge=1)
     count_flops: bool = option(False, 'FS key; not used by fsplug clients')
     best_res_update_round_wise_key: str = option('test_avg_loss', "FS's best-result metric",
-                                                 choices=_eval_metrics)
+                                                 choices=evaluation_metric_names)
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fs_plugins.data.stream import TASK_ORDERS
+from fs_plugins.core.registry import (ADAPTERS, ENCODER_BACKENDS, GENERATION_METRICS, METHODS,
+                                      MODEL_BUILDERS)
 from fs_plugins.schema.options import option, section
 
 # YAML format shared by both runners
@@ -13,40 +14,15 @@ PLUGIN_NAME = 'fsplug'                  # trainer.type and federate.method
 MODEL_TYPE_SUFFIX = 'fsplug_llm'        # model.type: '<local dir or hub id>@fsplug_llm'
 DATA_TYPE_SUFFIX = 'fsplug'             # data.type: '<file.json|file.jsonl|builtin>@fsplug'
 
-
-def _builders():
-    from fs_plugins.models.builders import available
-    return available()
-
-
-def _dtypes():
-    from fs_plugins.models.builders import DTYPES
-    return list(DTYPES)
-
-
-def _quantizations():
-    from fs_plugins.models.precision import QUANTIZATIONS
-    return list(QUANTIZATIONS)
-
-
-def _adapters():
-    from fs_plugins.models.builders import ADAPTERS
-    return list(ADAPTERS)
-
-
-def _prompts():
-    from fs_plugins.data.instruction import PROMPT_TEMPLATES
-    return list(PROMPT_TEMPLATES)
-
-
-def _gen_metrics():
-    from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
-    return sorted(GENERATION_METRICS)
+# fixed value sets, owned here; the code that implements them reads them from here
+DTYPE_NAMES = ('float32', 'bfloat16', 'float16')          # torch dtypes of the frozen base
+QUANTIZATIONS = ('none', '8bit', '4bit')                   # bitsandbytes bases
+PROMPT_TEMPLATES = ('alpaca', 'plain')                     # fs_plugins.data.instruction
+TASK_ORDERS = ('sorted', 'rotated')                        # fs_plugins.data.stream
 
 
 def _methods():
-    from fs_plugins.methods.registry import all_methods
-    return [''] + sorted(all_methods())
+    return [''] + METHODS.names()
 
 
 @dataclass
@@ -78,8 +54,7 @@ class VisionOptions:
 
 
 def _encoder_backends():
-    from fs_plugins.models.encoders import ENCODER_BACKENDS
-    return [''] + sorted(ENCODER_BACKENDS)
+    return [''] + ENCODER_BACKENDS.names()
 
 
 @dataclass
@@ -114,7 +89,7 @@ class MultimodalPrompt:
 class MultimodalOptions:
     llm_builder: str = option('causal_lm', 'imagebind_vicuna: how model.type (the LLM) is loaded '
                                            '(a text builder: causal_lm, smollm2, tiny_llama)',
-                              choices=_builders)
+                              choices=MODEL_BUILDERS.names)
     image: EncoderOptions = section(EncoderOptions, 'the image encoder')
     audio: EncoderOptions = section(EncoderOptions, 'the audio encoder')
     prompt: MultimodalPrompt = section(MultimodalPrompt, 'prompt pieces around the features')
@@ -135,17 +110,17 @@ class LibraryOptions:
 @dataclass
 class ModelOptions:
     builder: str = option('causal_lm', 'how model.type is loaded (a registered model builder)',
-                          choices=_builders)
+                          choices=MODEL_BUILDERS.names)
     dtype: str = option('float32', 'dtype of the frozen base weights; adapters stay float32 '
                                    '(on CUDA the forward runs under autocast to this dtype)',
-                        choices=_dtypes)
+                        choices=DTYPE_NAMES)
     quantization: str = option('none', 'QLoRA-style quantised frozen base through bitsandbytes '
                                        '(CUDA only; compute in dtype): 8bit (LLM.int8) or 4bit '
                                        '(NF4, double quantisation); refused by methods that edit '
-                                       'the frozen weights', choices=_quantizations)
+                                       'the frozen weights', choices=QUANTIZATIONS)
     local_files_only: bool = option(False, 'never contact a model hub')
     adapter: str = option('lora', "'lora' (with use_rslora for rsLoRA) or 'vera', on lora.target_modules",
-                          choices=_adapters)
+                          choices=ADAPTERS.names)
     vera: VeraOptions = section(VeraOptions, 'VeRA settings (adapter: vera)')
     vision: VisionOptions = section(VisionOptions, 'what trains besides LoRA in vision-language models')
     multimodal: MultimodalOptions = section(MultimodalOptions, 'encoders + LLM (builder '
@@ -171,7 +146,7 @@ class DataOptions:
                                    "easyvqa's task 'yes_no')")
     max_records: int = option(0, 'cap on records read from the file, before the split (0 = all)', ge=0)
     prompt: str = option('alpaca', 'prompt template of instruction records (multimodal records use '
-                                   "their model's own format)", choices=_prompts)
+                                   "their model's own format)", choices=PROMPT_TEMPLATES)
     split_from_records: bool = option(False, "train / val / test from the records' own 'split' "
                                              'field (test_fraction and val_fraction unused)')
     task_field: str = option('', "record field naming each record's task (PFL-Dynamic); '' = none")
@@ -194,7 +169,7 @@ class EvalOptions:
     generate: bool = option(False, 'greedy batched generation besides answer-token loss / accuracy')
     max_new_tokens: int = option(16, 'generation length limit', ge=1)
     gen_metrics: list[str] = option([], 'metrics over generated answers, reported as test_<name>',
-                                    choices=_gen_metrics)
+                                    choices=GENERATION_METRICS.names)
     max_gen_samples: int = option(0, 'cap on test records generated per client (0 = all)', ge=0)
     bertscore_model: str = option('', "BERTScore backbone of the bertscore_* metrics: '' = roberta-large "
                                       'when it is cached or the hub answers, else the offline all-MiniLM-L6-v2 '

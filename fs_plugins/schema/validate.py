@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Mapping
 
+from fs_plugins.core.registry import METHODS
 from fs_plugins.schema.fs_keys import FSKeys
 from fs_plugins.schema.options import (FS_AUX_KEYS, check_section, defaults_of,
                                        unknown_key_message)
@@ -20,8 +21,7 @@ OPEN_NODE = '__open__'
 
 
 def method_classes() -> dict:
-    from fs_plugins.methods.registry import all_methods
-    return all_methods()
+    return dict(METHODS.items())
 
 
 def fsplug_defaults() -> dict:
