@@ -53,7 +53,7 @@ def build(model: str, config: str, workdir: str, extra: dict | None = None):
     builder (`extra`: further config overrides, merged on top)."""
     from fs_plugins.run.config import load_config, merge
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     model_type, builder = MODELS[model]
     method_name, hparams = CONFIGS[config]
     cfg = load_config(overrides=merge({

@@ -44,13 +44,14 @@ def make_library(workdir: str) -> list[str]:
     """Two random r = 16 peft LoRAs on q, v of the smollm2 base, saved as adapter folders."""
     from peft import LoraConfig, get_peft_model
     from fs_plugins.run.config import load_config
+    from fs_plugins.methods.specs import model_spec
     from fs_plugins.models.builders import load_base
     folders = []
     for seed in (1, 2):
         folder = os.path.join(workdir, f'library_{seed}')
         if not os.path.isdir(folder):
             cfg = base_config(workdir, 'fedavg', {})
-            base = load_base(load_config(overrides=cfg)).model
+            base = load_base(model_spec(load_config(overrides=cfg))).model
             torch.manual_seed(seed)
             model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
                                                     init_lora_weights=False))
@@ -73,7 +74,7 @@ def base_config(workdir: str, method: str, hparams: dict, library=()) -> dict:
 def make_trainer(config: str, workdir: str, args, hparams_extra=None) -> Trainer:
     from fs_plugins.run.config import load_config
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     method_name, hparams = CONFIGS[config]
     library = make_library(workdir) if method_name == 'smartfed' else ()
     cfg = load_config(overrides=base_config(workdir, method_name, {**hparams, **(hparams_extra or {})},

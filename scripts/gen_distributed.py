@@ -4,6 +4,10 @@ party of FS's distributed mode on 127.0.0.1 (server port 50051, client k 50051 +
 by fs_plugins.commands.launch.shipped_party_configs. `--check` exits 1 when a shipped file is stale,
 missing or extra (the tests run it that way).
 
+The number of clients (hence of files and ports) is read from the YAML's own keys
+(`declared_client_count`): no dataset is built, so the generator needs no system package
+(easyvqa_image_audio's data synthesises speech with espeak-ng).
+
 python scripts/gen_distributed.py [--check]
 """
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import glob
 import os
 import sys
+from unittest import mock
 
 import yaml
 
@@ -39,15 +44,29 @@ def folder_of(source: str) -> str:
     return os.path.join(os.path.dirname(source), 'distributed', stem)
 
 
+def declared_client_count(cfg) -> int:
+    """The clients of `cfg` as its keys say, without building its data: federate.client_num
+    (at least 1, by the schema). Every splitter makes exactly that many clients or refuses the
+    config when the run starts (`by_source` refuses a client_num other than its number of
+    sources; tests/test_launch.py checks the shipped sources against their splits)."""
+    return int(cfg.federate.client_num)
+
+
+def party_configs(source: str) -> dict[str, dict]:
+    """launch.shipped_party_configs(source) with the client count from the YAML's keys."""
+    from fs_plugins.commands import launch
+    with mock.patch.object(launch, 'client_count', declared_client_count):
+        return launch.shipped_party_configs(source)
+
+
 def render() -> dict[str, str]:
     """{path: text} of every shipped file."""
-    from fs_plugins.commands.launch import shipped_party_configs
     files = {}
     for source in sources():
         folder = folder_of(source)
         header = HEADER.format(source=os.path.relpath(source, REPO),
                                folder=os.path.relpath(folder, REPO))
-        for name, cfg in shipped_party_configs(source).items():
+        for name, cfg in party_configs(source).items():
             files[os.path.join(folder, name + '.yaml')] = \
                 header + yaml.safe_dump(cfg, sort_keys=False)
     return files

@@ -7,9 +7,9 @@ import torch
 import toy_methods  # noqa: F401  (registers toy_phased)
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import load_config
-from fs_plugins.data.federated import build_federated_records
+from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
 from fs_plugins.run.results import ResultsLog
 from fs_plugins.run.runtime import initial_global
 from fs_plugins.run.server import ServerProcedure

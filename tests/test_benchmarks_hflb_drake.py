@@ -20,7 +20,7 @@ from benchmarks_ext.hflb.table import TABLE_13  # noqa: E402
 from fixtures_multimodal import write_image, write_json, write_lines  # noqa: E402
 from fs_plugins.run.config import client_overrides, load_config, read_yaml  # noqa: E402
 from fs_plugins.data import stream  # noqa: E402
-from fs_plugins.data.federated import build_federated_records  # noqa: E402
+from fs_plugins.run.runtime import build_federated_records  # noqa: E402
 from fs_plugins.data.instruction import load_records  # noqa: E402
 
 RECORD_KEYS = {'id', 'image', 'question', 'answer', 'task', 'pfl_task', 'task_label', 'source', 'split',

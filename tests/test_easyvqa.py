@@ -9,7 +9,7 @@ easy_vqa = pytest.importorskip('easy_vqa', reason='the easyvqa tests need the ea
 
 from fs_plugins.run.config import load_config  # noqa: E402
 from fs_plugins.data.easyvqa import COLOURS, SHAPES, easyvqa_records  # noqa: E402
-from fs_plugins.data.federated import build_federated_records  # noqa: E402
+from fs_plugins.run.runtime import build_federated_records  # noqa: E402
 from fs_plugins.models.easyvqa_llava import image_labels  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

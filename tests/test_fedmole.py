@@ -5,7 +5,7 @@ import torch
 
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import ConfigError, load_config
-from fs_plugins.data.federated import build_federated_records
+from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.methods.fedmole import AGGREGATED_KINDS, ROUTED, ROUTER, SHARED, parameter_kind
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.sim import runner as runner_mod
@@ -134,7 +134,7 @@ def test_mole_follows_lora_onto_the_language_model(tmp_path, builder):
     """Vision-language builders restrict LoRA to the language model; MoLE goes only where
     LoRA is. The trainable projector is shared and trains with the shared experts."""
     from fs_plugins.data.instruction import load_records
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     from test_multimodal import vl_config
     cfg, data = vl_config(tmp_path, builder, fsplug={
         'method': 'fedmole',

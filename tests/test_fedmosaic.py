@@ -12,7 +12,9 @@ from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.run.config import ConfigError, client_config, client_overrides, load_config, read_yaml
 from fs_plugins.methods.fedmosaic import (ARCH_KEY, GRAD_KEY, PQ_PREFIX, FedMosaic,
                                           model_type_id)
-from fs_plugins.models.builders import build_model, load_base
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.specs import model_spec
+from fs_plugins.models.builders import load_base
 from fs_plugins.tuners.mosaic.rela import RelaGradients, output_layer_gradient
 from helpers import REPO, run_embedded_keeping_clients
 
@@ -117,7 +119,7 @@ def test_a_client_cannot_change_the_shared_rank(tmp_path):
 
 def test_output_layer_gradient_equals_autograd(tmp_path):
     cfg = _cfg(tmp_path)
-    base = load_base(cfg)
+    base = load_base(model_spec(cfg))
     records = [{'instruction': 'add 2 and 3', 'input': '', 'output': '5'},
                {'instruction': 'reverse abc', 'input': '', 'output': 'cba'}]
     batch = base.codec.collate([base.codec.encode(r) for r in records])
@@ -240,7 +242,7 @@ def test_baselines_aggregate_per_architecture(tmp_path):
 @pytest.mark.parametrize('pq_lr', [0.0, 5e-5])
 def test_pq_lora_has_its_own_learning_rate(tmp_path, pq_lr):
     from fs_plugins.run.client import ClientProcedure
-    from fs_plugins.data.federated import build_federated_records
+    from fs_plugins.run.runtime import build_federated_records
     cfg = _cfg(tmp_path, 'train.optimizer.lr', '2e-5', 'fsplug.fedmosaic.pq_lr', str(pq_lr))
     built, method, ccfg = _built(cfg)
     proc = ClientProcedure(1, ccfg, method, built, build_federated_records(cfg).clients[1])
@@ -256,15 +258,14 @@ def test_pq_lora_has_its_own_learning_rate(tmp_path, pq_lr):
 def test_the_pivot_is_built_once_per_process_for_every_client_of_another_type(tmp_path,
                                                                               monkeypatch):
     import fs_plugins.methods.fedmosaic as fedmosaic_module
-    from fs_plugins.models import builders
     monkeypatch.setattr(fedmosaic_module, '_PIVOTS', {})
     built_types = []
-    original = builders.build_model
+    original = fedmosaic_module.build_model
 
     def counting(cfg, *args, **kwargs):
         built_types.append(str(cfg.model.type))
         return original(cfg, *args, **kwargs)
-    monkeypatch.setattr(builders, 'build_model', counting)
+    monkeypatch.setattr(fedmosaic_module, 'build_model', counting)
     cfg = _cfg(tmp_path)
     for _ in range(2):                      # two clients of the larger type, one process
         _built(cfg, LARGE)

@@ -346,7 +346,7 @@ def test_server_assigns_budget_levels_and_client_cfg_overrides(tmp_path):
 def test_client_top_k_is_used_in_evaluation(tmp_path):
     from fs_plugins.run.client import ClientProcedure
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     cfg = flame_cfg(tmp_path)
     records = {'train': [{'instruction': 'Add.', 'input': '1 2', 'output': '3'}] * 4,
                'test': [{'instruction': 'Add the numbers.', 'input': '12 30', 'output': '42'}] * 3}
@@ -418,7 +418,7 @@ RECORDS = {'train': [{'instruction': f'Add {i} and {i + 1}.', 'input': '', 'outp
 def client_of(cfg, cid=1, overrides=None):
     from fs_plugins.run.client import ClientProcedure
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     ccfg = client_config(cfg, overrides)
     method = get_method_class(ccfg.fsplug.method)(ccfg)
     return ClientProcedure(cid, ccfg, method, build_model(ccfg, method), RECORDS)
@@ -562,7 +562,7 @@ def test_client_groups_by_budget_level_and_summary_rows(tmp_path):
 
 
 def test_tiny_dense_olmo_builder_with_lora_on_every_linear_layer(tmp_path):
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     from fs_plugins.models.olmo import DENSE_LORA_MODULES
     from fs_plugins.methods.registry import get_method_class
     raw = tiny_config(tmp_path, 'hetlora', fsplug={'model': {

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from fs_plugins.commands.credentials import make_credentials
-from fs_plugins.commands.launch import free_ports
+from fs_plugins.commands.credentials import make_credentials, party_distribute
+from fs_plugins.fs.ports import free_ports
+from fs_plugins.fs.secure import CredentialsRefused, party_comm_manager
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('federatedscope') is None or importlib.util.find_spec('grpc') is None,
@@ -38,8 +39,6 @@ class Parties:
 
     def make(self, folder, name, auth, server=None, token_of=None):
         """Party `name` ('server', 'client_<k>'); `token_of`: another client's token instead."""
-        from fs_plugins.commands.credentials import party_distribute
-        from fs_plugins.fs.secure import party_comm_manager
         distribute = dict(party_distribute(folder, name, auth), connect_timeout_s=3.0)
         if token_of:
             distribute['token_file'] = os.path.join(folder, f'{token_of}.token')
@@ -87,7 +86,6 @@ def test_authenticated_parties_exchange_messages(parties, creds, auth):
 
 @pytest.mark.parametrize('auth', ['token', 'certificate'])
 def test_a_client_cannot_send_under_another_id(parties, creds, auth):
-    from fs_plugins.fs.secure import CredentialsRefused
     server = parties.make(creds, 'server', auth)
     client_1 = parties.make(creds, 'client_1', auth, server)
     expected = "token is not client 2's" if auth == 'token' else \
@@ -98,7 +96,6 @@ def test_a_client_cannot_send_under_another_id(parties, creds, auth):
 
 
 def test_a_wrong_token_is_refused_before_joining(parties, creds):
-    from fs_plugins.fs.secure import CredentialsRefused
     server = parties.make(creds, 'server', 'token')
     # client 1's certificate (TLS passes) with client 2's token
     impostor = parties.make(creds, 'client_1', 'token', server, token_of='client_2')
@@ -108,7 +105,6 @@ def test_a_wrong_token_is_refused_before_joining(parties, creds):
 
 
 def test_clients_accept_only_the_server(parties, creds):
-    from fs_plugins.fs.secure import CredentialsRefused
     client_1 = parties.make(creds, 'client_1', 'token')
     client_2 = parties.make(creds, 'client_2', 'token')
     client_2.add_neighbors(1, f'127.0.0.1:{client_1.port}')

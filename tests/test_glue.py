@@ -13,7 +13,7 @@ import torch
 
 from fs_plugins.run.config import load_config
 from fs_plugins.data import glue
-from fs_plugins.data.federated import build_federated_records
+from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.models.classifier import ClassificationCodec, is_task_head
 from helpers import REPO, run_embedded_keeping_clients
@@ -143,7 +143,7 @@ def test_missing_folder_file_and_column_are_named(tmp_path):
 
 def test_classifier_builder_needs_a_glue_task(tmp_path):
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     cfg = _tiny(tmp_path, 'fedavg', 2, 'data.type', 'tiny_tasks@fsplug')
     with pytest.raises(ConfigError, match="data.type = 'glue:<task>"):
         build_model(cfg, get_method_class('fedavg')(cfg))
@@ -195,7 +195,7 @@ def test_head_trains_and_is_the_weighted_average(tmp_path):
                                   ['fsplug.model.dtype', 'bfloat16']])
 def test_rslora_vera_and_half_precision_variants(tmp_path, opts):
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     cfg = _tiny(tmp_path, 'fedavg', 2, *opts)
     built = build_model(cfg, get_method_class('fedavg')(cfg))
     head = [n for n in built.trainable_names if is_task_head(n)]

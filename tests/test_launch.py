@@ -97,9 +97,56 @@ def test_a_secure_launch_gives_each_party_its_own_credentials(tmp_path, auth):
             assert set(credentials.client_tokens) == {1, 2}
 
 
+# scripts/gen_distributed.py --check with every way of building a dataset refused: the
+# generator reads the client counts from the YAMLs, so it needs no data and no system package
+# (easyvqa_image_audio's data synthesises speech with espeak-ng)
+_GENERATOR_WITHOUT_DATA = """
+import runpy, sys
+import fs_plugins.data.builtin as builtin
+import fs_plugins.data.federated as federated
+
+def refuse(cfg, *args, **kwargs):
+    raise AssertionError('gen_distributed.py built a dataset; it must not need one')
+
+federated.build_federated_records = federated.ensure_builtin = builtin.ensure_builtin = refuse
+sys.argv = [sys.argv[1], '--check']
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
 def test_shipped_distributed_configs_are_current():
     """yamls/<method>/distributed/ holds every registered method's tiny federation and every
-    easyvqa one, generated (each file also loads in test_config)."""
-    result = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'gen_distributed.py'),
-                             '--check'], capture_output=True, text=True)
+    easyvqa one, generated (each file also loads in test_config), without building any data."""
+    result = subprocess.run([sys.executable, '-c', _GENERATOR_WITHOUT_DATA,
+                             os.path.join(REPO, 'scripts', 'gen_distributed.py')],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert 'shipped distributed configs are current' in result.stdout
+
+
+def _gen_distributed():
+    sys.path.insert(0, os.path.join(REPO, 'scripts'))
+    try:
+        import gen_distributed
+    finally:
+        sys.path.pop(0)
+    return gen_distributed
+
+
+def test_shipped_client_counts_are_the_splits(tmp_path, monkeypatch):
+    """The client count the generator reads from each source's keys is the one its data split
+    gives: each source's data is built (in tmp_path) and split, the speech of
+    easyvqa_image_audio replaced by empty WAV files (the split reads no audio, so this needs
+    no espeak-ng)."""
+    import fs_plugins.data.easyvqa_audio as easyvqa_audio
+    from fs_plugins.commands.launch import load_run
+
+    def placeholder_wav(text, path, *args, **kwargs):
+        open(path, 'wb').close()
+    monkeypatch.setattr(easyvqa_audio, 'espeak_binary', lambda: 'espeak-ng')
+    monkeypatch.setattr(easyvqa_audio, 'synthesize_speech', placeholder_wav)
+    (tmp_path / easyvqa_audio.AUDIO_FOLDER).mkdir()
+    gen = _gen_distributed()
+    for source in gen.sources():
+        _, cfg, _ = load_run(source, ['data.root', str(tmp_path)])
+        assert gen.declared_client_count(cfg) == client_count(cfg), source

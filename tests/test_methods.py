@@ -408,7 +408,7 @@ def test_flora_clients_merge_the_same_update_and_restart_from_a_fresh_lora(tmp_p
 
 
 def test_frlora_starts_function_identical_to_the_base(tmp_path):
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     from fs_plugins.aggregation.lora import principal_factors
     models = {}
     for method in ('fedavg', 'frlora'):

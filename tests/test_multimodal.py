@@ -11,7 +11,7 @@ from fs_plugins.run.client import generate_answers
 from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.data.instruction import IGNORE_INDEX, load_records
 from fs_plugins.methods.fedavg import FedAvg
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
 from fs_plugins.sim.runner import run_embedded
 from helpers import tiny_config, write_yaml
 

@@ -8,10 +8,10 @@ import torch
 
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import load_config
-from fs_plugins.data.federated import build_federated_records
+from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.methods.base import activate_adapters
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
 from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 from test_methods import A_NUMEL, B_NUMEL, run, train_rows
 

@@ -1,5 +1,6 @@
-"""The README's method table and key reference are generated from the registry and the schema;
-this fails when they are stale (a method or key added without regenerating)."""
+"""docs/reference.md's method table, key reference and paper coverage are generated from the
+registry, the schema and docs/paper_tables.yaml by scripts/gen_reference.py; this fails when the
+page is stale (a method or key added without regenerating)."""
 import os
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 from helpers import REPO
 
 
-def test_readme_reference_is_current():
+def test_reference_page_is_current():
     result = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'gen_reference.py'), '--check'],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -270,7 +270,7 @@ def test_the_server_rejects_a_bad_update_and_aggregates_the_rest(tmp_path, monke
 def test_a_client_with_its_own_config_is_checked_against_its_own_model(tmp_path):
     """The shapes the server expects from a client whose config differs (here a LoRA rank)
     are those of that client's model, built on the meta device."""
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
     from fs_plugins.run.server import client_shared_shapes
     cfg = tiny_cfg(tmp_path, 'fedavg', 'run', 'fsplug.model.lora.r', '4')
     method = all_methods()['fedavg'](cfg)

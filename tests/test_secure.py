@@ -9,7 +9,7 @@ import yaml
 from fs_plugins.run.config import Cfg
 from fs_plugins.commands.credentials import make_credentials, party_distribute, party_files
 from fs_plugins.core.errors import ConfigError
-from fs_plugins.fs.secure import Credentials, read_credentials, refusal
+from fs_plugins.fs.secure import Credentials, raise_grpc_limits, read_credentials, refusal
 from fs_plugins.schema.plugin import DistributeOptions
 from fs_plugins.schema.options import defaults_of
 
@@ -130,3 +130,15 @@ def test_refusal(credentials, sender, token, common_name, reason):
         assert found is None
     else:
         assert found is not None and reason in found, found
+
+
+def test_grpc_limits_are_raised_to_max_message_mb_only_where_lower():
+    cfg = _cfg('server', max_message_mb=64)
+    cfg.distribute.update({'grpc_max_send_message_length': 2 ** 20,
+                           'grpc_max_receive_message_length': 2 ** 30})
+    raise_grpc_limits(cfg)
+    assert cfg.distribute.grpc_max_send_message_length == 64 * 2 ** 20
+    assert cfg.distribute.grpc_max_receive_message_length == 2 ** 30
+    partial = Cfg.wrap({'fsplug': {'distribute': {'max_message_mb': 64}}})
+    raise_grpc_limits(partial)   # a client's partial config node has no distribute limits
+    assert 'distribute' not in partial

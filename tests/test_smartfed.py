@@ -11,7 +11,7 @@ from fs_plugins.run.config import load_config
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
 from fs_plugins.tuners.library import (dense_rank_mixture, load_library, rank_one_mixture,
                                        stacked_factors)
 from fs_plugins.tuners.library.adapters import resolve_path

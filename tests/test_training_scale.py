@@ -12,7 +12,7 @@ from fs_plugins.run.config import load_config
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.registry import all_methods, get_method_class
 from fs_plugins.models import precision
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
 from helpers import run_embedded_keeping_clients, tiny_yaml_of
 
 METHODS = sorted(all_methods())

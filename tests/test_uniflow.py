@@ -9,11 +9,11 @@ from fs_plugins.aggregation.lora import fed_a2
 from fs_plugins.aggregation.pairs import lora_pairs
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import load_config
-from fs_plugins.data.federated import build_federated_records
+from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.methods.uniflow import AGGREGATIONS
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
 from fs_plugins.models.encoder_llm import modalities
 from helpers import REPO, run_embedded_keeping_clients
 

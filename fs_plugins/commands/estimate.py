@@ -135,7 +135,8 @@ def _probe(cfg, method_cls, layers: dict, samples: int, seq_len: int,
            checkpointing: bool) -> torch.Tensor:
     """(activation bytes, logits bytes, sent bytes, sent parameters) of `samples` samples
     through the model at depth `layers`."""
-    from fs_plugins.models.builders import architecture_only, build_model
+    from fs_plugins.methods.building import build_model
+    from fs_plugins.models.builders import architecture_only
     probe_cfg = copy.deepcopy(cfg)
     probe_cfg.fsplug.train.gradient_checkpointing = checkpointing
     probe_cfg.fsplug.model.quantization = 'none'   # activations do not depend on it
@@ -194,7 +195,8 @@ def scaled_probe(probe, depths: dict, batch: int, checkpointing: bool) -> torch.
 # ---------------------------------------------------------------- per client
 def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import architecture_only, build_model
+    from fs_plugins.methods.building import build_model
+    from fs_plugins.models.builders import architecture_only
     method_cls = get_method_class(cfg.fsplug.method)
     method = method_cls(cfg)
     if cfg.fsplug.model.quantization != 'none' and method.modifies_frozen_weights:

@@ -111,7 +111,7 @@ def client_count(cfg) -> int:
     plugin's data, else federate.client_num."""
     from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
     if str(cfg.data.type).endswith('@' + DATA_TYPE_SUFFIX):
-        from fs_plugins.data.federated import build_federated_records
+        from fs_plugins.run.runtime import build_federated_records
         return int(build_federated_records(cfg).client_num)
     return int(cfg.federate.client_num)
 

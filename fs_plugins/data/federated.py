@@ -1,4 +1,4 @@
-"""From a config to per-client record splits (train / val / test), the same under both runners."""
+"""From a split spec to per-client record splits (train / val / test), the same under both runners."""
 from __future__ import annotations
 
 import logging
@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fs_plugins.run import config as config_mod
 from fs_plugins.data import glue, splitters, stream
 from fs_plugins.data.builtin import ensure_builtin
 from fs_plugins.data.instruction import load_records
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.schema.specs import DataSource, SplitSpec
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +34,15 @@ class FederatedRecords:
         return len(self.clients)
 
 
-def resolve_data_path(cfg) -> str:
-    name = config_mod.data_name(cfg)
-    root = str(cfg.data.root)
+def resolve_data_path(source: DataSource) -> str:
+    name, root = source.name, source.root
     builtin = ensure_builtin(name, root)
     if builtin:
         return builtin
     path = name if os.path.isabs(name) else os.path.join(root, name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Data file not found: {path} (from data.root = '{root}' and "
-                                f"data.type = '{cfg.data.type}')")
+                                f"data.type = '{source.type_value}')")
     return path
 
 
@@ -86,15 +85,15 @@ def _split_from_records(records: list[dict], indices: list[int], client_id: int)
     return parts
 
 
-def load_data_records(cfg) -> tuple[list[dict], bool]:
+def load_data_records(spec: SplitSpec) -> tuple[list[dict], bool]:
     """The records of data.type and whether their own 'split' field gives train / test: a
     GLUE task (fs_plugins.data.glue) always (its files are the splits; max_records caps its
     training file), a record file or builtin dataset as fsplug.data.split_from_records says."""
-    data_cfg = cfg.fsplug.data
-    source = glue.parse_data_type(config_mod.data_name(cfg), str(cfg.data.root))
-    if source is not None:
-        return glue.load_glue(source, data_cfg.max_records), True
-    records = select_records(load_records(resolve_data_path(cfg)), data_cfg.split_field,
+    data_cfg = spec.options
+    glue_source = glue.parse_data_type(spec.source.name, spec.source.root)
+    if glue_source is not None:
+        return glue.load_glue(glue_source, data_cfg.max_records), True
+    records = select_records(load_records(resolve_data_path(spec.source)), data_cfg.split_field,
                              list(data_cfg.select))
     if data_cfg.max_records:
         records = records[:data_cfg.max_records]
@@ -113,24 +112,24 @@ def select_records(records: list[dict], field: str, values: list[str]) -> list[d
     return kept
 
 
-def build_federated_records(cfg) -> FederatedRecords:
-    data_cfg = cfg.fsplug.data
-    records, from_records = load_data_records(cfg)
-    parts = splitters.split(cfg.data.splitter, records, cfg.federate.client_num,
-                            derive_seed(cfg.seed, 'split'), field=data_cfg.split_field,
+def split_records(spec: SplitSpec) -> FederatedRecords:
+    data_cfg = spec.options
+    records, from_records = load_data_records(spec)
+    parts = splitters.split(spec.splitter, records, spec.client_num,
+                            derive_seed(spec.seed, 'split'), field=data_cfg.split_field,
                             alpha=data_cfg.dirichlet_alpha, min_size=data_cfg.min_client_size)
     names = (splitters.source_names(records, data_cfg.split_field)
-             if cfg.data.splitter == 'by_source' else [f'client_{i + 1}' for i in range(len(parts))])
+             if spec.splitter == 'by_source' else [f'client_{i + 1}' for i in range(len(parts))])
     clients, client_names = {}, {}
     for cid, indices in enumerate(parts, start=1):
         if not indices:
             raise ValueError(f"Client {cid} received no records from the "
-                             f"'{cfg.data.splitter}' split; use fewer clients")
+                             f"'{spec.splitter}' split; use fewer clients")
         if from_records:
             split = _split_from_records(records, indices, cid)
         else:
             split = _train_val_test(indices, data_cfg.test_fraction, data_cfg.val_fraction,
-                                    cfg.seed, cid)
+                                    spec.seed, cid)
         parts = {name: [records[i] for i in part] for name, part in split.items()}
         if data_cfg.task_field:
             parts = stream.annotate(parts, data_cfg.task_field, data_cfg.task_order, cid)
@@ -140,7 +139,7 @@ def build_federated_records(cfg) -> FederatedRecords:
     if data_cfg.evaluate_others:
         add_others_split(clients)
     if data_cfg.dynamic:
-        check_rounds_cover_tasks(clients, int(cfg.federate.total_round_num))
+        check_rounds_cover_tasks(clients, spec.total_rounds)
     logger.info('fsplug data: ' + ', '.join(
         f"client {c} ({client_names[c]}): " + ' / '.join(f'{len(d[s])} {s}' for s in d)
         for c, d in clients.items()))

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.data.instruction import read_record_file
+from fs_plugins.schema.specs import DataSource
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +119,9 @@ def parse_data_type(name: str, root: str) -> GlueSource | None:
     return GlueSource(task_name, task, folder if os.path.isabs(folder) else os.path.join(root, folder))
 
 
-def task_of(cfg) -> GlueTask | None:
-    """The GLUE task of a config's data.type, None when its data is not a GLUE task."""
-    from fs_plugins.run.config import data_name
-    source = parse_data_type(data_name(cfg), str(cfg.data.root))
+def task_of(data: DataSource) -> GlueTask | None:
+    """The GLUE task of a run's data, None when its data is not a GLUE task."""
+    source = parse_data_type(data.name, data.root)
     return source.task if source else None
 
 
@@ -187,7 +188,6 @@ def _read_csv(path: str) -> list[dict]:
 
 
 def _read_json(path: str) -> list[dict]:
-    from fs_plugins.data.instruction import read_record_file
     return read_record_file(path)
 
 

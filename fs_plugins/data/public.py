@@ -7,20 +7,21 @@ import os
 import numpy as np
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.data.builtin import BUILTIN_DATASETS, ensure_builtin
+from fs_plugins.data.federated import resolve_data_path
+from fs_plugins.data.instruction import load_records
+from fs_plugins.schema.specs import DataSource
 
 
-def public_records(source: str, cfg, count: int, seed: int, key: str) -> list[dict]:
+def public_records(source: str, run_data: DataSource, count: int, seed: int, key: str) -> list[dict]:
     """`count` records (a seeded choice, in file order) from `source`: a .json/.jsonl file,
-    or a builtin dataset name; '' = the run's own data (data.type). Records marked with
+    or a builtin dataset name; '' = the run's own data (`run_data`). Records marked with
     another 'split' than 'train' are left out. `key` is the config key `source` came from,
     for the errors."""
-    from fs_plugins.data.builtin import BUILTIN_DATASETS, ensure_builtin
-    from fs_plugins.data.federated import resolve_data_path
-    from fs_plugins.data.instruction import load_records
-    name = source or str(cfg.data.type).rsplit('@', 1)[0]
+    name = source or run_data.name
     if not source:
         try:
-            records = load_records(resolve_data_path(cfg))
+            records = load_records(resolve_data_path(run_data))
         except FileNotFoundError as exc:
             raise ConfigError(f"{key} = '' (the run's data): {exc}") from None
     elif os.sep in source or source.endswith(('.json', '.jsonl')):
@@ -29,7 +30,7 @@ def public_records(source: str, cfg, count: int, seed: int, key: str) -> list[di
         records = load_records(source)
     elif source in BUILTIN_DATASETS:
         # through its JSONL under data.root: media paths resolved as for the run's own data
-        records = load_records(ensure_builtin(source, str(cfg.data.root)))
+        records = load_records(ensure_builtin(source, run_data.root))
     else:
         raise ConfigError(f"{key} = {source!r}: give a .json/.jsonl record file or a builtin "
                           f"dataset ({', '.join(sorted(BUILTIN_DATASETS))})")

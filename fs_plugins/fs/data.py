@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fs_plugins.run.config import client_overrides
-from fs_plugins.data.federated import build_federated_records
+from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.fs.config import fs_known_keys
 from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX

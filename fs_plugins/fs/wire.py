@@ -29,8 +29,6 @@ SHARED, EXTRA, METRIC = 'shared/', 'extra/', 'metric/'
 DATASET_SIZE = 'meta/dataset_size'
 SCALARS_KEY = 'fsplug_scalars'
 SCALAR_TYPES = (bool, int, float, str)
-# gRPC's and protobuf's own ceiling for one message (int32 lengths)
-GRPC_MAX_BYTES = 2 ** 31 - 1
 
 
 class WireError(ValueError):

@@ -37,7 +37,7 @@ from fs_plugins.fs.secure import plugin_comm_manager
 from fs_plugins.fs.wire import (MARKER, WireError, decode_update, encode_tensors, encode_update,
                                 encoded_size)
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
 from fs_plugins.run.results import ResultsLog
 from fs_plugins.run.runtime import initial_global, predictions_path, results_dir, run_info
 from fs_plugins.run.server import ServerProcedure

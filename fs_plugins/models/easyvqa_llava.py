@@ -152,7 +152,7 @@ def ensure_easyvqa_llava(path: str | None = None) -> str:
 
 
 @register_builder('easyvqa_llava')
-def load_easyvqa_llava(cfg, path: str) -> LoadedBase:
+def load_easyvqa_llava(spec, path: str) -> LoadedBase:
     """`path` 'smollm2' (or '') uses the cached folder, built on first use."""
     from fs_plugins.models.vision_language import load_llava
-    return load_llava(cfg, ensure_easyvqa_llava(None if path in ('', 'smollm2') else path))
+    return load_llava(spec, ensure_easyvqa_llava(None if path in ('', 'smollm2') else path))

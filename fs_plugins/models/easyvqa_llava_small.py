@@ -356,11 +356,11 @@ def ensure_easyvqa_llava_small(path: str | None = None) -> str:
 
 
 @register_builder('easyvqa_llava_small')
-def load_easyvqa_llava_small(cfg, path: str) -> LoadedBase:
+def load_easyvqa_llava_small(spec, path: str) -> LoadedBase:
     """`path` 'smollm2-small' (or '') uses the cached folder, built on first use."""
     from fs_plugins.models.vision_language import load_llava
     folder = None if path in ('', 'smollm2-small') else path
-    return load_llava(cfg, ensure_easyvqa_llava_small(folder))
+    return load_llava(spec, ensure_easyvqa_llava_small(folder))
 
 
 # ------------------------------------------------------------------ quality report

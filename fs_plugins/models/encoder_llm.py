@@ -16,7 +16,7 @@ model (fsplug.model.lora.target_modules) and on each encoder
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -213,10 +213,10 @@ def check_prompt_pieces(prompt: dict) -> None:
                               f"<modality> ... </modality> around the features)")
 
 
-def language_model_base(cfg, path: str) -> LoadedBase:
+def language_model_base(spec, path: str) -> LoadedBase:
     """The LLM from fsplug.model.multimodal.llm_builder (a text builder) and model.type."""
-    name = cfg.fsplug.model.multimodal.llm_builder
-    base = MODEL_BUILDERS.get(name)(cfg, path)
+    name = spec.model.multimodal.llm_builder
+    base = MODEL_BUILDERS.get(name)(spec, path)
     if not isinstance(base.codec, TextCodec):
         raise ConfigError(f"fsplug.model.multimodal.llm_builder = '{name}' is not a text "
                           f"language-model builder (use causal_lm, smollm2 or tiny_llama)")
@@ -224,10 +224,9 @@ def language_model_base(cfg, path: str) -> LoadedBase:
 
 
 @register_builder('imagebind_vicuna')
-def load_imagebind_vicuna(cfg, path: str) -> LoadedBase:
+def load_imagebind_vicuna(spec, path: str) -> LoadedBase:
     """Encoders + projections + the LLM at model.type; see the module docstring."""
-    from fs_plugins.schema.options import to_plain
-    options = to_plain(cfg.fsplug.model.multimodal)
+    options = asdict(spec.model.multimodal)
     check_prompt_pieces(options['prompt'])
     order = modalities()
     configured = [m for m in order if options[m]['backend']]
@@ -235,14 +234,14 @@ def load_imagebind_vicuna(cfg, path: str) -> LoadedBase:
         raise ConfigError("fsplug.model.builder = 'imagebind_vicuna' needs at least one encoder: "
                           "set fsplug.model.multimodal.<modality>.backend for one of "
                           f"{list(order)}")
-    text = language_model_base(cfg, path)
-    encoders = {m: load_encoder(m, options[m], cfg) for m in configured}
+    text = language_model_base(spec, path)
+    encoders = {m: load_encoder(m, options[m], spec) for m in configured}
     pool_tokens = {m: int(options[m]['pool_tokens']) for m in configured}
     with torch.random.fork_rng(devices=[]):   # the same projections on every client
-        torch.manual_seed(derive_seed(cfg.seed, 'encoder_llm_projectors'))
+        torch.manual_seed(derive_seed(spec.seed, 'encoder_llm_projectors'))
         model = EncoderLLM(text.model, encoders, pool_tokens, order)
     codec = EncoderLLMCodec(text.codec.tokenizer, options['prompt'], encoders, pool_tokens,
-                            order, int(cfg.llm.tok_len))
+                            order, int(spec.max_tokens))
     return LoadedBase(model, codec, LANGUAGE_MODEL,
                       {'train_projector': 'projectors.', 'train_tower': 'encoders.'},
                       encoder_lora_targets={f'encoders.{m}.': list(options[m]['lora_targets'])

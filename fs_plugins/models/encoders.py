@@ -25,7 +25,8 @@ import torch
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.registry import ENCODER_BACKENDS
-from fs_plugins.models.builders import DTYPES, check_local_dir
+from fs_plugins.models.builders import check_local_dir
+from fs_plugins.models.precision import DTYPES
 
 # whisper: 100 mel frames per second, halved by the second convolution
 WHISPER_POSITIONS_PER_SECOND = 50
@@ -85,28 +86,28 @@ def audio_preparer(feature_extractor) -> Callable[[str], torch.Tensor]:
 
 
 # ------------------------------------------------------------------ image backends
-def _clip_like(model_class, processor_class, path, options, cfg, drop_cls) -> LoadedEncoder:
+def _clip_like(model_class, processor_class, path, options, spec, drop_cls) -> LoadedEncoder:
     from fs_plugins.models.builders import from_pretrained
     if not path:
         raise ConfigError(f"fsplug.model.multimodal.{options['modality']}.path: the "
                           f"'{options['backend']}' backend needs a local folder or hub id")
-    model = from_pretrained(model_class, path, cfg, dtype=DTYPES[cfg.fsplug.model.dtype])
-    processor = from_pretrained(processor_class, path, cfg)
+    model = from_pretrained(model_class, path, spec, dtype=DTYPES[spec.model.dtype])
+    processor = from_pretrained(processor_class, path, spec)
     return LoadedEncoder(VisionTower(model, drop_cls), model.config.hidden_size, 'pixel_values',
                          image_preparer(processor))
 
 
-def load_clip(path, options, cfg) -> LoadedEncoder:
+def load_clip(path, options, spec) -> LoadedEncoder:
     from transformers import CLIPImageProcessor, CLIPVisionModel
-    return _clip_like(CLIPVisionModel, CLIPImageProcessor, path, options, cfg, drop_cls=True)
+    return _clip_like(CLIPVisionModel, CLIPImageProcessor, path, options, spec, drop_cls=True)
 
 
-def load_siglip(path, options, cfg) -> LoadedEncoder:
+def load_siglip(path, options, spec) -> LoadedEncoder:
     from transformers import AutoImageProcessor, SiglipVisionModel
-    return _clip_like(SiglipVisionModel, AutoImageProcessor, path, options, cfg, drop_cls=False)
+    return _clip_like(SiglipVisionModel, AutoImageProcessor, path, options, spec, drop_cls=False)
 
 
-def load_easyvqa_clip(path, options, cfg) -> LoadedEncoder:
+def load_easyvqa_clip(path, options, spec) -> LoadedEncoder:
     """The easy-vqa-trained CLIP tower of the `easyvqa_llava` folder (built on first use)."""
     import json
 
@@ -123,7 +124,7 @@ def load_easyvqa_clip(path, options, cfg) -> LoadedEncoder:
                  if k.startswith(('vision_tower.', 'model.vision_tower.'))}
     model = CLIPVisionModel(vision)
     model.load_state_dict(state)
-    model.to(DTYPES[cfg.fsplug.model.dtype]).eval()
+    model.to(DTYPES[spec.model.dtype]).eval()
     return LoadedEncoder(VisionTower(model, drop_cls=True), vision.hidden_size, 'pixel_values',
                          image_preparer(easyvqa_image_processor()))
 
@@ -132,12 +133,12 @@ TINY_CLIP = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=
                  num_hidden_layers=1, num_attention_heads=2)
 
 
-def load_tiny_clip(path, options, cfg) -> LoadedEncoder:
+def load_tiny_clip(path, options, spec) -> LoadedEncoder:
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
         model = CLIPVisionModel(CLIPVisionConfig(**TINY_CLIP))
-    model.to(DTYPES[cfg.fsplug.model.dtype]).eval()
+    model.to(DTYPES[spec.model.dtype]).eval()
     processor = CLIPImageProcessor(size={'shortest_edge': 32}, crop_size={'height': 32, 'width': 32})
     return LoadedEncoder(VisionTower(model, drop_cls=True), TINY_CLIP['hidden_size'],
                          'pixel_values', image_preparer(processor))
@@ -161,23 +162,23 @@ def whisper_feature_extractor(extractor, positions: int):
     return short
 
 
-def load_whisper(path, options, cfg) -> LoadedEncoder:
+def load_whisper(path, options, spec) -> LoadedEncoder:
     from transformers import WhisperFeatureExtractor, WhisperModel
     from fs_plugins.models.builders import from_pretrained
     from fs_plugins.models.whisper_ct2 import short_clip_encoder
     if not path:
         from fs_plugins.models.whisper_ct2 import ensure_whisper_tiny_en
         path = ensure_whisper_tiny_en()
-    whisper = from_pretrained(WhisperModel, path, cfg, dtype=DTYPES[cfg.fsplug.model.dtype])
+    whisper = from_pretrained(WhisperModel, path, spec, dtype=DTYPES[spec.model.dtype])
     positions = whisper_positions(options)
     encoder = short_clip_encoder(whisper.get_encoder(), 2 * positions)
-    extractor = whisper_feature_extractor(from_pretrained(WhisperFeatureExtractor, path, cfg),
+    extractor = whisper_feature_extractor(from_pretrained(WhisperFeatureExtractor, path, spec),
                                           positions)
     return LoadedEncoder(SpeechEncoder(encoder), encoder.config.d_model, 'input_features',
                          audio_preparer(extractor))
 
 
-def load_tiny_whisper(path, options, cfg) -> LoadedEncoder:
+def load_tiny_whisper(path, options, spec) -> LoadedEncoder:
     from transformers import WhisperConfig, WhisperFeatureExtractor
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
     positions = whisper_positions(options)
@@ -186,7 +187,7 @@ def load_tiny_whisper(path, options, cfg) -> LoadedEncoder:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
         encoder = WhisperEncoder(config)
-    encoder.to(DTYPES[cfg.fsplug.model.dtype]).eval()
+    encoder.to(DTYPES[spec.model.dtype]).eval()
     extractor = whisper_feature_extractor(WhisperFeatureExtractor(feature_size=80), positions)
     return LoadedEncoder(SpeechEncoder(encoder), 32, 'input_features', audio_preparer(extractor))
 
@@ -243,10 +244,10 @@ def check_local_dir_file(path: str) -> str:
     return expanded
 
 
-def load_imagebind(path, options, cfg) -> LoadedEncoder:
+def load_imagebind(path, options, spec) -> LoadedEncoder:
     from imagebind import data as imagebind_data
     modality = options['modality']
-    model = _imagebind_model(path).to(DTYPES[cfg.fsplug.model.dtype]).eval()
+    model = _imagebind_model(path).to(DTYPES[spec.model.dtype]).eval()
     module = ImageBindModality(model, IMAGEBIND_MODALITY[modality])
     transform = {'image': imagebind_data.load_and_transform_vision_data,
                  'audio': imagebind_data.load_and_transform_audio_data}[modality]
@@ -255,7 +256,7 @@ def load_imagebind(path, options, cfg) -> LoadedEncoder:
                          global_embedding=True)
 
 
-# backend -> (modalities it encodes, loader(path, options, cfg))
+# backend -> (modalities it encodes, loader(path, options, spec))
 for _name, _modalities, _loader in [('clip', {'image'}, load_clip),
                                     ('siglip', {'image'}, load_siglip),
                                     ('easyvqa_clip', {'image'}, load_easyvqa_clip),
@@ -266,7 +267,7 @@ for _name, _modalities, _loader in [('clip', {'image'}, load_clip),
     ENCODER_BACKENDS.add(_name, (frozenset(_modalities), _loader))
 
 
-def load_encoder(modality: str, options: dict, cfg) -> LoadedEncoder:
+def load_encoder(modality: str, options: dict, spec) -> LoadedEncoder:
     """The encoder `fsplug.model.multimodal.<modality>` configures (`options`: that node)."""
     backend = options['backend']
     modalities, loader = ENCODER_BACKENDS.get(backend)
@@ -276,7 +277,7 @@ def load_encoder(modality: str, options: dict, cfg) -> LoadedEncoder:
     path = options['path']
     if path and not path.endswith('.pth'):
         check_local_dir(path)
-    loaded = loader(path, {**options, 'modality': modality}, cfg)
+    loaded = loader(path, {**options, 'modality': modality}, spec)
     if loaded.global_embedding and options['pool_tokens'] != 1:
         raise ConfigError(f"fsplug.model.multimodal.{modality}.pool_tokens = "
                           f"{options['pool_tokens']}: backend '{backend}' gives one embedding "

@@ -43,6 +43,6 @@ def ensure_tiny_olmo(path: str | None = None) -> str:
 
 
 @register_builder('tiny_olmo')
-def load_tiny_olmo(cfg, path: str) -> LoadedBase:
+def load_tiny_olmo(spec, path: str) -> LoadedBase:
     """A tiny random dense OLMo built locally; `path` '' or 'tiny-olmo' uses the cache."""
-    return load_causal_lm(cfg, ensure_tiny_olmo(None if path in ('', 'tiny-olmo') else path))
+    return load_causal_lm(spec, ensure_tiny_olmo(None if path in ('', 'tiny-olmo') else path))

@@ -159,8 +159,21 @@ def prepare_olmoe(model: torch.nn.Module, target_parameters) -> torch.nn.Module:
     return model
 
 
+def router_of(block) -> torch.nn.Module:
+    """The router of an MoE block, under any peft wrappers (LoRA on `mlp.gate.weight`)."""
+    router = getattr(block, 'gate', None)
+    while router is not None and not hasattr(router, 'top_k') and hasattr(router, 'base_layer'):
+        router = router.base_layer
+    return router
+
+
+def moe_blocks(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every sparse MoE block: a `gate` router with `top_k` and `experts`."""
+    return [(name, module) for name, module in model.named_modules()
+            if hasattr(module, 'experts') and hasattr(router_of(module), 'top_k')]
+
+
 def _total_and_active(model: torch.nn.Module, top_k: int, selected) -> tuple[int, int]:
-    from fs_plugins.tuners.flame.routing import moe_blocks, router_of
     experts = {name: int(router_of(m).num_experts) for name, m in moe_blocks(model)}
     total = active = 0
     for name, param in model.named_parameters():

@@ -15,6 +15,10 @@ import importlib.util
 import torch
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.schema.plugin import DTYPE_NAMES
+
+# fsplug.model.dtype -> the torch dtype of the frozen base
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # builders whose base comes from transformers' from_pretrained, which takes a quantization_config
 QUANTIZABLE_BUILDERS = ('causal_lm', 'tiny_llama', 'smollm2', 'olmoe', 'tiny_olmoe', 'llava',
@@ -60,10 +64,10 @@ def place_model(model: torch.nn.Module, device: torch.device) -> None:
             tensor.data = tensor.data.to(device)
 
 
-def check_quantization(cfg, method) -> None:
+def check_quantization(spec, method) -> None:
     """fsplug.model.quantization is usable here: CUDA, bitsandbytes, a from_pretrained builder
     and a method that never edits the frozen weights; a ConfigError naming what is missing."""
-    mode, model_cfg = cfg.fsplug.model.quantization, cfg.fsplug.model
+    mode, model_cfg = spec.model.quantization, spec.model
     if mode == 'none':
         return
     key = f"fsplug.model.quantization = '{mode}'"
@@ -73,26 +77,25 @@ def check_quantization(cfg, method) -> None:
     if model_cfg.builder not in QUANTIZABLE_BUILDERS:
         raise ConfigError(f"{key}: builder '{model_cfg.builder}' does not load through "
                           f"from_pretrained; quantisable builders: {list(QUANTIZABLE_BUILDERS)}")
-    if not cfg.use_gpu or not torch.cuda.is_available():
+    if not spec.use_gpu or not torch.cuda.is_available():
         raise ConfigError(f"{key} needs CUDA (bitsandbytes kernels) and use_gpu: True; "
-                          f"use_gpu = {cfg.use_gpu}, CUDA available = {torch.cuda.is_available()}")
+                          f"use_gpu = {spec.use_gpu}, CUDA available = {torch.cuda.is_available()}")
     if importlib.util.find_spec('bitsandbytes') is None:
         raise ConfigError(f"{key} needs the bitsandbytes package: pip install bitsandbytes")
 
 
-def quantization_kwargs(cfg) -> dict:
+def quantization_kwargs(spec) -> dict:
     """from_pretrained keyword arguments of fsplug.model.quantization ({} for none)."""
-    mode = cfg.fsplug.model.quantization
+    mode = spec.model.quantization
     if mode == 'none':
         return {}
     from transformers import BitsAndBytesConfig
-    from fs_plugins.models.builders import DTYPES
-    compute = DTYPES[cfg.fsplug.model.dtype]
+    compute = DTYPES[spec.model.dtype]
     if mode == '8bit':
         config = BitsAndBytesConfig(load_in_8bit=True)
     else:
         config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4',
                                     bnb_4bit_use_double_quant=True,
                                     bnb_4bit_compute_dtype=compute)
-    device = cfg.device if cfg.device >= 0 else 0
+    device = spec.device if spec.device >= 0 else 0
     return {'quantization_config': config, 'device_map': {'': device}}

@@ -50,14 +50,14 @@ class Qwen2VLImageTextProcessor:
                 'pixel_values': pixels['pixel_values'], 'image_grid_thw': pixels['image_grid_thw']}
 
 
-def llava_codec(cfg, processor) -> MultimodalCodec:
+def llava_codec(spec, processor) -> MultimodalCodec:
     return MultimodalCodec(processor, LLAVA15_PROMPT, LLAVA_IMAGE, processor.tokenizer.eos_token,
-                           int(cfg.llm.tok_len))
+                           int(spec.max_tokens))
 
 
-def qwen2vl_codec(cfg, processor) -> MultimodalCodec:
+def qwen2vl_codec(spec, processor) -> MultimodalCodec:
     return MultimodalCodec(processor, QWEN2VL_PROMPT, QWEN2VL_IMAGE, '<|im_end|>',
-                           int(cfg.llm.tok_len), answer_prefix='')
+                           int(spec.max_tokens), answer_prefix='')
 
 
 def _with_pad_token(processor):
@@ -67,34 +67,34 @@ def _with_pad_token(processor):
 
 
 @register_builder('llava')
-def load_llava(cfg, path: str) -> LoadedBase:
+def load_llava(spec, path: str) -> LoadedBase:
     """LlavaForConditionalGeneration + its processor (e.g. llava-hf/llava-1.5-7b-hf)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
-    processor = _with_pad_token(from_pretrained(AutoProcessor, path, cfg))
-    model = load_weights(LlavaForConditionalGeneration, path, cfg)
-    return LoadedBase(model, llava_codec(cfg, processor), LANGUAGE_MODEL, LLAVA_SWITCHES)
+    processor = _with_pad_token(from_pretrained(AutoProcessor, path, spec))
+    model = load_weights(LlavaForConditionalGeneration, path, spec)
+    return LoadedBase(model, llava_codec(spec, processor), LANGUAGE_MODEL, LLAVA_SWITCHES)
 
 
-def _qwen2vl_processor(path: str, cfg):
+def _qwen2vl_processor(path: str, spec):
     from transformers import AutoProcessor, AutoTokenizer
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
     try:
-        return from_pretrained(AutoProcessor, path, cfg)
+        return from_pretrained(AutoProcessor, path, spec)
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0]
         logger.warning(f"Qwen2-VL's own processor is unavailable ({reason}); using the image "
                        f"+ text processor of fs_plugins (images only, no video)")
-        return Qwen2VLImageTextProcessor(from_pretrained(Qwen2VLImageProcessorPil, path, cfg),
-                                         from_pretrained(AutoTokenizer, path, cfg))
+        return Qwen2VLImageTextProcessor(from_pretrained(Qwen2VLImageProcessorPil, path, spec),
+                                         from_pretrained(AutoTokenizer, path, spec))
 
 
 @register_builder('qwen2_vl')
-def load_qwen2_vl(cfg, path: str) -> LoadedBase:
+def load_qwen2_vl(spec, path: str) -> LoadedBase:
     """Qwen2VLForConditionalGeneration + its processor (e.g. Qwen/Qwen2-VL-7B-Instruct)."""
     from transformers import Qwen2VLForConditionalGeneration
-    processor = _with_pad_token(_qwen2vl_processor(path, cfg))
-    model = load_weights(Qwen2VLForConditionalGeneration, path, cfg)
-    return LoadedBase(model, qwen2vl_codec(cfg, processor), LANGUAGE_MODEL, QWEN2VL_SWITCHES)
+    processor = _with_pad_token(_qwen2vl_processor(path, spec))
+    model = load_weights(Qwen2VLForConditionalGeneration, path, spec)
+    return LoadedBase(model, qwen2vl_codec(spec, processor), LANGUAGE_MODEL, QWEN2VL_SWITCHES)
 
 
 # ------------------------------------------------------------------ tiny random versions
@@ -165,11 +165,11 @@ def _tiny_dir(path: str, builder: str, cache_name: str, build) -> str:
 
 
 @register_builder('tiny_llava')
-def load_tiny_llava(cfg, path: str) -> LoadedBase:
-    return load_llava(cfg, _tiny_dir(path, 'tiny_llava', 'tiny-llava-v1', build_tiny_llava_dir))
+def load_tiny_llava(spec, path: str) -> LoadedBase:
+    return load_llava(spec, _tiny_dir(path, 'tiny_llava', 'tiny-llava-v1', build_tiny_llava_dir))
 
 
 @register_builder('tiny_qwen2_vl')
-def load_tiny_qwen2_vl(cfg, path: str) -> LoadedBase:
-    return load_qwen2_vl(cfg, _tiny_dir(path, 'tiny_qwen2_vl', 'tiny-qwen2-vl-v1',
+def load_tiny_qwen2_vl(spec, path: str) -> LoadedBase:
+    return load_qwen2_vl(spec, _tiny_dir(path, 'tiny_qwen2_vl', 'tiny-qwen2-vl-v1',
                                         build_tiny_qwen2vl_dir))

@@ -429,7 +429,7 @@ def load_trained(run_dir: str, client: int | None = None, device: str = 'cpu'):
 def load_trained_with_config(run_dir: str, client: int | None = None):
     """`load_trained` on the CPU, with the config that built the model."""
     from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.models.builders import build_model
+    from fs_plugins.methods.building import build_model
 
     folder = artifact_folder(run_dir, client)
     meta = read_artifact(folder)

@@ -18,32 +18,12 @@ import fs_plugins.metrics  # noqa: F401  (generation and reported metrics)
 import fs_plugins.models  # noqa: F401  (model builders, encoders, adapters)
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.schema.options import to_plain
+from fs_plugins.schema.options import Cfg, to_plain
 from fs_plugins.schema.validate import fs_defaults, fsplug_defaults, validate
 
 __all__ = ['Cfg', 'ConfigError', 'load_config', 'parse_opts', 'read_yaml', 'to_plain',
            'client_overrides', 'client_config', 'model_path', 'data_name', 'resolve_derived',
            'import_extra_modules', 'merge', 'load_saved_config']
-
-
-class Cfg(dict):
-    """A nested dict with attribute access, shaped like FS's CfgNode, so core code reads
-    `cfg.fsplug.model.lora.r` the same way under both runners."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError as exc:
-            raise AttributeError(name) from exc
-
-    def __setattr__(self, name, value):
-        self[name] = value
-
-    @classmethod
-    def wrap(cls, value):
-        if isinstance(value, Mapping):
-            return cls({k: cls.wrap(v) for k, v in value.items()})
-        return value
 
 
 def decode_value(value):

@@ -5,17 +5,17 @@ from __future__ import annotations
 import datetime
 import os
 
-import torch
-
-from fs_plugins.run.config import data_name, model_path, to_plain
+from fs_plugins.data.federated import FederatedRecords, split_records
 from fs_plugins.methods.base import Method
-from fs_plugins.models.builders import build_model
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.specs import split_spec
+from fs_plugins.run.artifacts import model_layout
+from fs_plugins.run.config import data_name, model_path, to_plain
 
 
-def device_for(cfg) -> str:
-    if cfg.use_gpu and torch.cuda.is_available():
-        return f'cuda:{max(int(cfg.device), 0)}'
-    return 'cpu'
+def build_federated_records(cfg) -> FederatedRecords:
+    """The run's records split into clients (train / val / test each)."""
+    return split_records(split_spec(cfg))
 
 
 def results_dir(cfg, outdir_is_final: bool = False) -> str:
@@ -49,7 +49,6 @@ def run_info(cfg, runner: str, client_names: dict, client_cfgs: dict | None = No
 def initial_global(cfg, method: Method):
     """The server's starting point, from a freshly built global model (then dropped): its
     shared parameters and the layout the global state is saved with (artifacts.ModelLayout)."""
-    from fs_plugins.run.artifacts import model_layout
     built = build_model(cfg, method)
     return (method.shared_tensors(built.model, built.trainable_names),
             model_layout(built.model, built.trainable_names))

@@ -11,7 +11,8 @@ from fs_plugins.aggregation.average import client_weights
 from fs_plugins.methods.base import ClientUpdate, Method
 from fs_plugins.run.results import ResultsLog, payload_bytes
 from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
-from fs_plugins.run.validation import signature_of, update_problem
+from fs_plugins.aggregation.signature import signature_of, tensor_signature
+from fs_plugins.run.validation import update_problem
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,8 @@ class ServerProcedure:
 def client_shared_shapes(client_cfg, method_cls) -> dict | None:
     """Names and shapes of what a client with `client_cfg` shares, from its model built on the
     meta device (no weight read); None when it cannot be built so."""
-    from fs_plugins.models.builders import architecture_only, build_model
+    from fs_plugins.methods.building import build_model
+    from fs_plugins.models.builders import architecture_only
     try:
         method = method_cls(client_cfg)
         with architecture_only(device='meta'):
@@ -186,7 +188,3 @@ class _StayOnMeta(torch.overrides.TorchFunctionMode):
             return args[0]
         return func(*args, **(kwargs or {}))
 
-
-def tensor_signature(tensors: dict) -> tuple:
-    """The names and shapes of a set of shared tensors: equal for clients of one architecture."""
-    return tuple(sorted(signature_of(tensors).items()))

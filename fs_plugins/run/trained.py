@@ -60,7 +60,7 @@ def _batch_size(cfg, requested: int | None) -> int:
 
 
 def _device(requested: str | None, cfg) -> str:
-    from fs_plugins.run.runtime import device_for
+    from fs_plugins.methods.specs import device_for
     return requested or device_for(cfg)
 
 

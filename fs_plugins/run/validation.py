@@ -10,11 +10,9 @@ import math
 
 import torch
 
+from fs_plugins.aggregation.signature import signature_of
+
 MAX_NAMES_SHOWN = 3
-
-
-def signature_of(tensors: dict) -> dict[str, tuple]:
-    return {name: tuple(t.shape) for name, t in tensors.items()}
 
 
 def update_problem(shared: dict, extra: dict, expected: dict[str, tuple] | None,

@@ -29,6 +29,26 @@ def to_plain(value):
     return value
 
 
+class Cfg(dict):
+    """A nested dict with attribute access, shaped like FS's CfgNode, so core code reads
+    `cfg.fsplug.model.lora.r` the same way under both runners."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(name) from exc
+
+    def __setattr__(self, name, value):
+        self[name] = value
+
+    @classmethod
+    def wrap(cls, value):
+        if isinstance(value, Mapping):
+            return cls({k: cls.wrap(v) for k, v in value.items()})
+        return value
+
+
 def option(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None,
            special=(), min_items: int = 0):
     """A checked, documented value. `choices`: allowed values (or, for a list, allowed items),
@@ -140,11 +160,22 @@ def _bounds_problem(value, meta) -> str | None:
     return None
 
 
-def check_value(key: str, value, tp, meta: Mapping) -> list[str]:
-    """Problems of one value against its annotation and `option` metadata."""
+def choice_message(key: str, value, choices) -> str:
+    """'<key> = <value>: not one of: <choices>', with the closest spelling suggested."""
+    message = f"{key} = {value!r}: not one of: {', '.join(map(str, choices))}"
+    close = difflib.get_close_matches(value, [str(c) for c in choices if str(c)], n=1,
+                                      cutoff=0.6) if isinstance(value, str) and value else []
+    return message + (f". Did you mean '{close[0]}'?" if close else '')
+
+
+def check_value(key: str, value, tp, meta: Mapping, registries: bool = True) -> list[str]:
+    """Problems of one value against its annotation and `option` metadata.
+
+    registries: False skips choices given as a callable (a registry's names, which need the
+    packages that fill the registry imported): the pre-check before those imports."""
     inner = _optional_inner(tp)
     if inner is not None:
-        return [] if value is None else check_value(key, value, inner, meta)
+        return [] if value is None else check_value(key, value, inner, meta, registries)
     item = _list_item(tp)
     if item is not None:
         if not isinstance(value, (list, tuple)):
@@ -152,13 +183,14 @@ def check_value(key: str, value, tp, meta: Mapping) -> list[str]:
         problems = [f'{key} = {value!r}: needs at least {meta["min_items"]} item(s)'] \
             if len(value) < meta.get('min_items', 0) else []
         for i, entry in enumerate(value):
-            problems += check_value(f'{key}[{i}]', entry, item, meta)
+            problems += check_value(f'{key}[{i}]', entry, item, meta, registries)
         return problems
     if not _type_ok(value, tp):
         return [f'{key} = {value!r}: expected {type_name(tp)}']
-    choices = _resolve_choices(meta.get('choices'))
+    dynamic = callable(meta.get('choices'))
+    choices = _resolve_choices(meta.get('choices')) if registries or not dynamic else None
     if choices is not None and value not in choices:
-        return [f"{key} = {value!r}: not one of: {', '.join(map(str, choices))}"]
+        return [choice_message(key, value, choices)]
     if tp in (int, float):
         problem = _bounds_problem(value, meta)
         if problem:
@@ -166,11 +198,13 @@ def check_value(key: str, value, tp, meta: Mapping) -> list[str]:
     return []
 
 
-def check_section(cls, values, path: str = '', strict: bool = True) -> tuple[dict, list[str]]:
+def check_section(cls, values, path: str = '', strict: bool = True,
+                  registries: bool = True) -> tuple[dict, list[str]]:
     """(normalised values over the defaults, problems) of a raw mapping against section `cls`.
 
     strict: keys `cls` does not declare are problems (closest spelling suggested) unless the
-    section is open; with strict=False they pass through unchecked (FS's own keys under FS)."""
+    section is open; with strict=False they pass through unchecked (FS's own keys under FS).
+    registries: False leaves out the choices a registry owns (see `check_value`)."""
     if not isinstance(values, Mapping):
         return defaults_of(cls), [f"{path or '<root>'} = {values!r}: expected a mapping"]
     hints, declared = _hints(cls), {f.name: f for f in fields(cls)}
@@ -185,10 +219,10 @@ def check_section(cls, values, path: str = '', strict: bool = True) -> tuple[dic
         key = f'{path}.{name}' if path else name
         value = values[name] if name in values else _default(fld)
         if _is_section(hints[name]):
-            out[name], sub = check_section(hints[name], value, key, strict)
+            out[name], sub = check_section(hints[name], value, key, strict, registries)
             problems += sub
             continue
-        found = check_value(key, value, hints[name], fld.metadata)
+        found = check_value(key, value, hints[name], fld.metadata, registries)
         problems += found
         out[name] = value if found else _coerce(value, hints[name])
     return out, problems

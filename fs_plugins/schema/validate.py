@@ -3,15 +3,17 @@
 `validate` takes a merged config as plain nested dicts and returns every problem at once (each
 a line naming the key, the value and what is allowed) together with the normalised values.
 The embedded runner calls it on each merged layer; under FederatedScope the binding calls it
-when FS merges a YAML, a command line or a client config, and again in FS's config check."""
+when FS merges a YAML, a command line or a client config, and again in FS's config check.
+The pre-check before torch is imported (`fs_plugins.schema.precheck`) runs the same checks with
+the methods it knows from a generated index instead of the registry (`KnownMethods`)."""
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Mapping
 
 from fs_plugins.core.registry import METHODS
 from fs_plugins.schema.fs_keys import FSKeys
-from fs_plugins.schema.options import (FS_AUX_KEYS, check_section, defaults_of,
+from fs_plugins.schema.options import (FS_AUX_KEYS, check_section, check_value, defaults_of,
                                        unknown_key_message)
 from fs_plugins.schema.plugin import (DATA_TYPE_SUFFIX, MODEL_TYPE_SUFFIX, PLUGIN_NAME,
                                       PluginOptions)
@@ -24,11 +26,31 @@ def method_classes() -> dict:
     return dict(METHODS.items())
 
 
-def fsplug_defaults() -> dict:
-    """The whole `fsplug` node: general keys plus one sub-node per registered method."""
+@dataclass(frozen=True)
+class KnownMethods:
+    """The methods a check knows: name -> the config class of its `fsplug.<name>` node.
+
+    complete: False when modules not imported yet (fsplug.import_modules) may register more:
+    method names and `fsplug.<key>` nodes outside `configs` then pass unchecked.
+    registries: False for the pre-check before the registries are filled (that would import
+    torch): choices a registry owns and each method's own rules between keys are left to the
+    full check, and fsplug.method is checked against `configs`."""
+    configs: Mapping[str, type]
+    complete: bool = True
+    registries: bool = True
+
+
+def registered_methods() -> KnownMethods:
+    """Every registered method (the registry's discovery imports them)."""
+    return KnownMethods({name: cls.config_class for name, cls in method_classes().items()})
+
+
+def fsplug_defaults(known: KnownMethods | None = None) -> dict:
+    """The whole `fsplug` node: general keys plus one sub-node per method (registered ones
+    unless `known` says otherwise)."""
     node = defaults_of(PluginOptions)
-    for name, cls in method_classes().items():
-        node[name] = defaults_of(cls.config_class)
+    for name, config_class in (known or registered_methods()).configs.items():
+        node[name] = defaults_of(config_class)
     return node
 
 
@@ -53,47 +75,63 @@ def unknown_keys(values: Mapping, known: Mapping, path: str = '') -> list[str]:
     return problems
 
 
-def check_plugin_node(plug: Mapping) -> tuple[dict, list[str]]:
+def check_plugin_node(plug: Mapping, known: KnownMethods | None = None) -> tuple[dict, list[str]]:
     """The `fsplug` node: general keys, then each method's node against its config class."""
-    methods = method_classes()
+    known = known or registered_methods()
+    methods = known.configs
     declared = {f.name for f in fields(PluginOptions)}
     general = {k: v for k, v in plug.items() if k in declared}
-    normalised, problems = check_section(PluginOptions, general, 'fsplug')
+    normalised, problems = check_section(PluginOptions, general, 'fsplug',
+                                         registries=known.registries)
+    if not known.registries and known.complete and isinstance(normalised['method'], str):
+        # the registry-backed choice check_section left out, against the known names instead
+        problems += check_value('fsplug.method', normalised['method'], str,
+                                {'choices': [''] + sorted(methods)})
     for key in plug:
         if key not in declared and key not in methods and key not in FS_AUX_KEYS:
-            problems.append(unknown_key_message('fsplug', key, declared | set(methods)))
-    for name, cls in methods.items():
-        normalised[name], found = check_section(cls.config_class, plug.get(name, {}),
-                                                f'fsplug.{name}')
+            if known.complete:
+                problems.append(unknown_key_message('fsplug', key, declared | set(methods)))
+            else:
+                normalised[key] = plug[key]   # a method's node, once the modules are imported
+    for name, config_class in methods.items():
+        normalised[name], found = check_section(config_class, plug.get(name, {}),
+                                                f'fsplug.{name}', registries=known.registries)
         problems += found
     return normalised, problems
 
 
-def validate(cfg: Mapping, fs_known: Mapping | None = None) -> tuple[dict, list[str]]:
+def validate(cfg: Mapping, fs_known: Mapping | None = None,
+             known: KnownMethods | None = None) -> tuple[dict, list[str]]:
     """(normalised config, problems) of a merged config given as plain nested dicts.
 
     fs_known: FS's own key tree under FederatedScope (FS keys are then checked against it and
     only the FS keys the plugin reads are type-checked); None in the embedded runner, which
-    accepts only the FS keys it reads (`FSKeys`)."""
+    accepts only the FS keys it reads (`FSKeys`). known: the methods to check against (default:
+    the registered ones; the pre-check passes those of its index)."""
+    known = known or registered_methods()
     plug = cfg.get('fsplug', {})
     if fs_known is not None and not plug.get('method'):
         return dict(cfg), []     # the plugin is off: FederatedScope checks its own keys
     fs_part = {k: v for k, v in cfg.items() if k != 'fsplug'}
     problems = unknown_keys(fs_part, fs_known) if fs_known is not None else []
-    normalised, found = check_section(FSKeys, fs_part, strict=fs_known is None)
+    normalised, found = check_section(FSKeys, fs_part, strict=fs_known is None,
+                                      registries=known.registries)
     problems += found
-    normalised['fsplug'], found = check_plugin_node(plug)
+    normalised['fsplug'], found = check_plugin_node(plug, known)
     problems += found
-    return normalised, problems + rule_problems(normalised)
+    return normalised, problems + rule_problems(normalised, known)
 
 
-def rule_problems(cfg: Mapping) -> list[str]:
+def rule_problems(cfg: Mapping, known: KnownMethods | None = None) -> list[str]:
     """Rules between keys. A rule whose keys already failed their own check (wrong type) is
     skipped: its message would only repeat that problem."""
+    known = known or registered_methods()
     if not cfg['fsplug']['method']:
-        return [f"fsplug.method is not set: name one of {', '.join(sorted(method_classes()))}"]
+        if not known.complete:
+            return []       # the full check lists the imported modules' methods too
+        return [f"fsplug.method is not set: name one of {', '.join(sorted(known.configs))}"]
     problems = []
-    for rule in RULES:
+    for rule in (RULES if known.registries else GENERAL_RULES):
         try:
             problems += rule(cfg)
         except (TypeError, ValueError, KeyError, AttributeError):
@@ -151,4 +189,6 @@ def _method_rules(cfg) -> list[str]:
     return method_cls.config_problems(method_cls.options(cfg), cfg)
 
 
-RULES = (_plugin_workers, _model_and_data_types, _federation, _generation, _task_stream, _method_rules)
+# the rules that need no registry (the pre-check runs these), then those that do
+GENERAL_RULES = (_plugin_workers, _model_and_data_types, _federation, _generation, _task_stream)
+RULES = GENERAL_RULES + (_method_rules,)

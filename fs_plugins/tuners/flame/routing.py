@@ -19,22 +19,9 @@ from functools import partial
 import torch
 
 from fs_plugins.models.checkpointing import recomputing
+from fs_plugins.models.olmoe import router_of
 
 ACTIVATION_READINGS = ('token', 'step')
-
-
-def router_of(block) -> torch.nn.Module:
-    """The router of an MoE block, under any peft wrappers (LoRA on `mlp.gate.weight`)."""
-    router = getattr(block, 'gate', None)
-    while router is not None and not hasattr(router, 'top_k') and hasattr(router, 'base_layer'):
-        router = router.base_layer
-    return router
-
-
-def moe_blocks(model) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every sparse MoE block: a `gate` router with `top_k` and `experts`."""
-    return [(name, module) for name, module in model.named_modules()
-            if hasattr(module, 'experts') and hasattr(router_of(module), 'top_k')]
 
 
 @dataclass

@@ -33,8 +33,12 @@ import torch
 
 from fs_plugins.aggregation.mosaic import (AlignmentMoments, a_alignment_loss_from_moments,
                                           align_a_from_moments, align_b, b_output_cca)
-from fs_plugins.data.public import public_records
+from fs_plugins.core.cache import cache_dir
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.seeding import derive_seed
+from fs_plugins.data.public import public_records
+from fs_plugins.models.codecs import EncodedDataset
+from fs_plugins.schema.specs import ModelSpec
 from fs_plugins.tuners.mosaic.layer import MosaicLinear
 
 logger = logging.getLogger(__name__)
@@ -91,7 +95,6 @@ def load_alignment(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 # ------------------------------------------------------------------------- features
 def _batches(codec, records: list[dict], batch_size: int):
-    from fs_plugins.models.codecs import EncodedDataset
     dataset = EncodedDataset(records, codec, 'FedMosaic alignment public data')
     for start in range(0, len(dataset), batch_size):
         batch = codec.collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
@@ -239,7 +242,6 @@ def apply_alignment(model, pq_layers: dict[str, str],
 
 # ------------------------------------------------------------------------- orchestration
 def default_folder() -> str:
-    from fs_plugins.core.cache import cache_dir
     return os.path.join(cache_dir(), 'fedmosaic_alignment')
 
 
@@ -268,18 +270,18 @@ class Pivot:
         self.built = None
 
 
-def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
-    """Aligns `model`'s PQ-LoRA A, B to those of the pivot built from `pivot_cfg`
+def align_to_pivot(model, codec, spec: ModelSpec, pivot: Pivot, pivot_type: str, hp) -> str:
+    """Aligns `model`'s PQ-LoRA A, B to those of the pivot (model.type `pivot_type`)
     (Algorithms 3-4), from the cache when the same alignment was computed before; returns the
     cache file."""
-    name = f"model.type '{cfg.model.type}'"
+    name = f"model.type '{spec.type_value}'"
     pivot_factors = pivot.factors
     other_factors = lora_factors(model, model.fedmosaic_pq)
     r = rank_of(other_factors)
     check_pairing(pivot_factors, other_factors, rank_of(pivot_factors), r, name)
-    settings = {'seed': int(cfg.seed), 'blocks': hp.num_blocks, 'placement': hp.placement,
-                'targets': sorted(cfg.fsplug.model.lora.target_modules),
-                'data': hp.alignment_data or str(cfg.data.type), 'samples': hp.alignment_samples,
+    settings = {'seed': spec.seed, 'blocks': hp.num_blocks, 'placement': hp.placement,
+                'targets': sorted(spec.model.lora.target_modules),
+                'data': hp.alignment_data or spec.data.type_value, 'samples': hp.alignment_samples,
                 'reg': hp.alignment_reg, 'steps': hp.alignment_steps, 'lr': hp.alignment_lr}
     path = alignment_path(hp.alignment_dir or default_folder(), pivot.digest,
                           model_digest(model), r, settings)
@@ -289,10 +291,10 @@ def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
         return path
     if hp.alignment == 'require':
         raise ConfigError(f"FedMosaic: {name} has no alignment to the pivot "
-                          f"'{pivot_cfg.model.type}' (r={r}) in {os.path.dirname(path)} and "
+                          f"'{pivot_type}' (r={r}) in {os.path.dirname(path)} and "
                           f"fsplug.fedmosaic.alignment = 'require'; run once with 'compute'")
-    records = public_records(hp.alignment_data, cfg, hp.alignment_samples,
-                             derive_alignment_seed(cfg.seed), 'fsplug.fedmosaic.alignment_data')
+    records = public_records(hp.alignment_data, spec.data, hp.alignment_samples,
+                             derive_alignment_seed(spec.seed), 'fsplug.fedmosaic.alignment_data')
     pivot_model = pivot.model().model
     per_token = same_tokens(pivot.codec, codec, records)
     moments = alignment_moments(pivot_model, pivot.codec, pivot_factors, model, codec, records,
@@ -300,16 +302,15 @@ def align_to_pivot(model, codec, cfg, pivot: Pivot, pivot_cfg, hp) -> str:
     aligned, report = compute_alignment(moments, pivot_factors, other_factors, hp.alignment_reg,
                                         hp.alignment_steps, hp.alignment_lr)
     apply_alignment(model, model.fedmosaic_pq, aligned)
-    save_alignment(path, aligned, {'pivot': pivot_cfg.model.type, 'model': cfg.model.type, 'r': r,
+    save_alignment(path, aligned, {'pivot': pivot_type, 'model': spec.type_value, 'r': r,
                                    'per_token': per_token, **settings})
     before = sum(b for b, _ in report.values()) / len(report)
     after = sum(a for _, a in report.values()) / len(report)
-    logger.info(f"FedMosaic: aligned {name} to the pivot '{pivot_cfg.model.type}' on "
+    logger.info(f"FedMosaic: aligned {name} to the pivot '{pivot_type}' on "
                 f"{len(records)} public records ({'per token' if per_token else 'per record'}): "
                 f"mean A objective {before:.4g} -> {after:.4g}; saved {path}")
     return path
 
 
 def derive_alignment_seed(seed: int) -> int:
-    from fs_plugins.core.seeding import derive_seed
     return derive_seed(seed, 'fedmosaic-public-data')

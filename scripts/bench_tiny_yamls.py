@@ -1,0 +1,102 @@
+"""Measures what the tiny YAMLs' comments claim ("Runs in about N s ..."): runs every
+`yamls/*/tiny.yaml` with the embedded runner, one fresh process each (`python -m fs_plugins run
+--runner embedded --cfg ...`, results in a temporary folder), and prints a table
+method | seconds (wall time of the whole process: imports, data, model, every round) | the claim
+in the YAML's leading comment.
+
+python scripts/bench_tiny_yamls.py [--only fedavg fedmole ...] [--timeout 900] [--keep DIR]
+
+The numbers depend on the machine and on what else runs on it: the header line says how many
+CPU cores it had and the load average before the first run. A run that fails is reported as
+FAILED with the end of its output, and the script then exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the sentence of a YAML's comment that says how long it runs
+# (a sentence ends at a '.' followed by a space or the end: '0.25' and 'x.py' do not end one)
+SENTENCE = r'(?:[^.]|\.(?=\S))*'
+CLAIM = re.compile(SENTENCE + r'\b(?:runs? in|seconds?\b|\d+(?:\.\d+)?\s*s\b)' + SENTENCE + r'\.?',
+                   re.IGNORECASE)
+
+
+def tiny_yamls(only: list[str] | None = None) -> list[tuple[str, str]]:
+    """(method folder, path relative to the repository) of every yamls/*/tiny.yaml."""
+    paths = sorted(glob.glob(os.path.join(REPO, 'yamls', '*', 'tiny.yaml')))
+    found = [(os.path.basename(os.path.dirname(p)), os.path.relpath(p, REPO)) for p in paths]
+    return [(name, path) for name, path in found if not only or name in only]
+
+
+def comment_claim(path: str) -> str:
+    """The time claim of the YAML's leading comment lines ('' when it makes none)."""
+    lines = []
+    with open(os.path.join(REPO, path), encoding='utf-8') as handle:
+        for line in handle:
+            if not line.startswith('#'):
+                break
+            lines.append(line.lstrip('#').strip())
+    match = CLAIM.search(' '.join(lines))
+    return match.group(0).strip() if match else ''
+
+
+def run_one(path: str, out_dir: str, timeout: float) -> tuple[float, int, str]:
+    """(wall seconds, exit code, output tail) of one embedded run of `path`."""
+    command = [sys.executable, '-m', 'fs_plugins', 'run', '--runner', 'embedded', '--cfg', path,
+               'outdir', out_dir, 'fsplug.results_dir', os.path.join(out_dir, 'results')]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        code, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, output = 124, f'timed out after {exc.timeout} s'
+    return time.perf_counter() - start, code, output[-2000:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--only', nargs='*', default=None, help='method folders to run (default: all)')
+    parser.add_argument('--timeout', type=float, default=900.0, help='seconds per run before it is stopped')
+    parser.add_argument('--keep', default=None, metavar='DIR',
+                        help='write the runs\' results here instead of a temporary folder')
+    args = parser.parse_args(argv)
+    runs = tiny_yamls(args.only)
+    if not runs:
+        print('no yamls/*/tiny.yaml matched', file=sys.stderr)
+        return 2
+    root = args.keep or tempfile.mkdtemp(prefix='fsplug-bench-tiny-')
+    load = ' / '.join(f'{x:.2f}' for x in os.getloadavg()) if hasattr(os, 'getloadavg') else '?'
+    print(f'# {len(runs)} tiny YAMLs, embedded runner, one process each; {os.cpu_count()} CPU '
+          f'core(s), load average before the first run {load}; python {sys.version.split()[0]}',
+          flush=True)
+    print('| method | seconds | claim in the YAML\'s comment |', flush=True)
+    print('|---|---:|---|', flush=True)
+    failures, total = [], 0.0
+    try:
+        for name, path in runs:
+            seconds, code, tail = run_one(path, os.path.join(root, name), args.timeout)
+            total += seconds
+            shown = f'{seconds:.1f}' if code == 0 else f'FAILED (exit {code}) after {seconds:.1f}'
+            print(f'| {name} | {shown} | {comment_claim(path) or "(none)"} |', flush=True)
+            if code != 0:
+                failures.append(path)
+                print(f'--- {path} (exit {code}):\n{tail}', file=sys.stderr, flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f'# total {total:.1f} s over {len(runs)} runs'
+          + (f"; failed: {', '.join(failures)}" if failures else ''), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
