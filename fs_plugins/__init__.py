@@ -9,5 +9,5 @@ __all__ = ['load_trained']
 
 def load_trained(run_dir: str, client=None, device: str = 'cpu'):
     """A run's trained model rebuilt from its results directory (see fs_plugins.run.artifacts)."""
-    from fs_plugins.run.artifacts import load_trained as load
+    from fs_plugins.run.artifacts import load_trained as load  # lazy: `import fs_plugins` stays cheap
     return load(run_dir, client, device)

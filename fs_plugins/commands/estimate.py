@@ -21,6 +21,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.models.precision import QUANTIZED_BYTES
+from fs_plugins.methods.building import build_model
+from fs_plugins.models.builders import architecture_only
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.run.config import client_config, client_overrides
 
 GIB = 1024 ** 3
 # optimiser state bytes per trainable float32 parameter, by train.optimizer.type
@@ -58,7 +63,6 @@ def optimizer_state_bytes(optimizer_cfg) -> int:
 def frozen_weight_bytes(model: torch.nn.Module, frozen: dict, quantization: str) -> float:
     """Bytes of the frozen tensors; with a quantised base, the linear layers' weights inside the
     layer stacks at bitsandbytes' size (the output layer and embeddings stay in dtype)."""
-    from fs_plugins.models.precision import QUANTIZED_BYTES
     quantized = set()
     if quantization != 'none':
         head = model.get_output_embeddings() if hasattr(model, 'get_output_embeddings') else None
@@ -135,8 +139,6 @@ def _probe(cfg, method_cls, layers: dict, samples: int, seq_len: int,
            checkpointing: bool) -> torch.Tensor:
     """(activation bytes, logits bytes, sent bytes, sent parameters) of `samples` samples
     through the model at depth `layers`."""
-    from fs_plugins.methods.building import build_model
-    from fs_plugins.models.builders import architecture_only
     probe_cfg = copy.deepcopy(cfg)
     probe_cfg.fsplug.train.gradient_checkpointing = checkpointing
     probe_cfg.fsplug.model.quantization = 'none'   # activations do not depend on it
@@ -194,9 +196,6 @@ def scaled_probe(probe, depths: dict, batch: int, checkpointing: bool) -> torch.
 
 # ---------------------------------------------------------------- per client
 def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
-    from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.methods.building import build_model
-    from fs_plugins.models.builders import architecture_only
     method_cls = get_method_class(cfg.fsplug.method)
     method = method_cls(cfg)
     if cfg.fsplug.model.quantization != 'none' and method.modifies_frozen_weights:
@@ -237,7 +236,6 @@ def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
 
 def estimate_run(cfg, client_cfgs=None, seq_len: int | None = None) -> list[Estimate]:
     """One estimate per client (clients with the same effective config are probed once)."""
-    from fs_plugins.run.config import client_config, client_overrides
     overrides = client_overrides(client_cfgs, cfg)
     clients = range(1, max(int(cfg.federate.client_num), 1) + 1)
     done: dict[str, Estimate] = {}

@@ -32,6 +32,10 @@ from fs_plugins.run.config import load_config, merge, parse_opts, read_yaml
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.fs.ports import free_ports
 from fs_plugins.run.runtime import results_dir
+from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
+from fs_plugins.run.runtime import build_federated_records
+from fs_plugins.commands.credentials import party_distribute
+from fs_plugins.commands.credentials import make_credentials
 
 LAUNCH_DIR = 'launch'
 ROUND_LINE = re.compile(r'training (?:round )?\(Round #(\d+)\)')   # FS's server log, 0-based
@@ -54,7 +58,6 @@ class Security:
     folder: str    # made by fs_plugins.commands.credentials.make_credentials
 
     def layer(self, name: str) -> dict:
-        from fs_plugins.commands.credentials import party_distribute
         return {'fsplug': {'distribute': party_distribute(self.folder, name, self.auth)}}
 
 
@@ -109,9 +112,7 @@ def load_run(cfg_path: str, opts: list[str], run_dir: str | None = None):
 def client_count(cfg) -> int:
     """The clients a run has: the split's (e.g. one per source with `by_source`) for the
     plugin's data, else federate.client_num."""
-    from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
     if str(cfg.data.type).endswith('@' + DATA_TYPE_SUFFIX):
-        from fs_plugins.run.runtime import build_federated_records
         return int(build_federated_records(cfg).client_num)
     return int(cfg.federate.client_num)
 
@@ -165,7 +166,6 @@ class LocalFederation:
 
     def _make_credentials(self, client_ids, host: str) -> str:
         """A fresh CA and party credentials for this local run (kept when it is resumed)."""
-        from fs_plugins.commands.credentials import make_credentials
         folder = os.path.join(self.run_dir, LAUNCH_DIR, 'credentials')
         if os.path.isfile(os.path.join(folder, 'ca.pem')):
             return folder

@@ -3,6 +3,9 @@ independent of how many random numbers other parts drew (and of the runner)."""
 from __future__ import annotations
 
 import hashlib
+import os
+
+import torch
 
 
 def derive_seed(seed: int, *tags) -> int:
@@ -11,15 +14,11 @@ def derive_seed(seed: int, *tags) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], 'little') & 0x7FFFFFFF
 
 
-def use_deterministic_algorithms(cfg) -> None:
+def use_deterministic_algorithms(on: bool) -> None:
     """fsplug.train.deterministic: torch's deterministic kernels (warn-only where an op has
     none), so that the same YAML and seed give bit-identical results. Without it, CPU kernels
     that split reductions over threads (e.g. the MoE experts' index_add) differ in the last bits
     from run to run."""
-    import os
-
-    import torch
-    on = bool(cfg.fsplug.train.deterministic)
     if on:
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')   # cuBLAS needs it
     torch.use_deterministic_algorithms(on, warn_only=True)

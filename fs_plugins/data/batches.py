@@ -46,11 +46,12 @@ class BatchStream:
         self.pos = int(state['pos'])
 
 
-def local_steps(train_cfg, num_train: int, batch_size: int) -> int:
-    """Optimiser steps per round, with FS's meaning of train.local_update_steps."""
-    if train_cfg.batch_or_epoch == 'epoch':
-        return int(train_cfg.local_update_steps) * math.ceil(num_train / batch_size)
-    return int(train_cfg.local_update_steps)
+def local_steps(train_keys, num_train: int, batch_size: int) -> int:
+    """Optimiser steps per round, with FS's meaning of train.local_update_steps (`train_keys`:
+    FS's `train` section)."""
+    if train_keys.batch_or_epoch == 'epoch':
+        return int(train_keys.local_update_steps) * math.ceil(num_train / batch_size)
+    return int(train_keys.local_update_steps)
 
 
 def eval_batches(dataset, collate, batch_size: int):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from fs_plugins.data.speech import write_wav
 
 COLOURS = {'red': (220, 40, 40), 'green': (40, 200, 60), 'blue': (40, 60, 220),
            'yellow': (230, 210, 40)}
@@ -28,7 +29,6 @@ def write_png(path: str, colour: str, rng) -> None:
 
 def write_tone(path: str, colour: str, rng) -> None:
     """A 16-bit mono WAV: the colour's tone plus noise."""
-    from fs_plugins.data.speech import write_wav
     t = np.arange(int(SAMPLE_RATE * SECONDS)) / SAMPLE_RATE
     signal = 0.5 * np.sin(2 * np.pi * TONE_HZ[colour] * t) + 0.05 * rng.standard_normal(t.size)
     write_wav(path, signal, SAMPLE_RATE)

@@ -271,8 +271,8 @@ class _PluginCommManager:
         if credentials.auth == 'none' and str(host) not in LOOPBACK:
             logger.warning(f'fsplug: {host}:{port} listens without client authentication '
                            f'({credentials.describe()}): any process that reaches it can '
-                           f'send under any id (set fsplug.distribute.auth; README: '
-                           f'Running across machines)')
+                           f'send under any id (set fsplug.distribute.auth; see '
+                           f'docs/distributed.md)')
 
     # ---------------------------------------------------------------- receiving
     def serve(self, max_workers, host, port, options):

@@ -1,6 +1,6 @@
 """The contract every method implements, for both runners.
 
-A method answers four questions (DESIGN.md "One method, one place"):
+A method answers four questions (docs/architecture.md, "The Method contract"):
 1. its adapter: `adapt_model` changes the built model (plain LoRA is already injected by peft);
 2. its client procedure: `phases` (which parameters train in which part of a round), `loss`,
    `after_step` (counters), all reading and writing the client's persistent `state`;
@@ -65,7 +65,7 @@ class Method:
     """Base class: FedAvg-style behaviour that subclasses override piece by piece."""
 
     name: ClassVar[str] = ''
-    # one line each for the README's method table (scripts/gen_reference.py): what the method
+    # one line each for the method table of docs/reference.md (scripts/gen_reference.py): what the method
     # does, and what travels each round ('up / down')
     summary: ClassVar[str] = ''
     sent: ClassVar[str] = ''

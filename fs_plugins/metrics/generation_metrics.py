@@ -33,8 +33,8 @@ def generation_metric(name: str):
     return GENERATION_METRICS[name]
 
 
-def configure_generation_metrics(eval_cfg) -> None:
+def configure_generation_metrics(eval_options) -> None:
     """Passes fsplug.eval's metric settings (bertscore_model, bertscore_layers) to the metrics;
     a config without them (a run saved before they existed) gets the defaults."""
-    bertscore.configure(getattr(eval_cfg, 'bertscore_model', '') or '',
-                        int(getattr(eval_cfg, 'bertscore_layers', 0) or 0))
+    bertscore.configure(getattr(eval_options, 'bertscore_model', '') or '',
+                        int(getattr(eval_options, 'bertscore_layers', 0) or 0))

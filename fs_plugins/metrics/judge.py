@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from fs_plugins.metrics.vqa import check_lengths
 
 TEMPLATE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'templates', 'report_judge.txt')
 SCORE_SCALE = 100
@@ -88,7 +89,6 @@ class ReportJudge:
 
     def outputs(self, predictions: list[str], references: list[str]) -> list[str]:
         import torch
-        from fs_plugins.metrics.vqa import check_lengths
         check_lengths(predictions, references)
         texts = [self._model_input(build_prompt(self.template, p, r)) for p, r in zip(predictions, references)]
         results = []

@@ -20,6 +20,7 @@ import re
 from functools import lru_cache
 
 from fs_plugins.metrics.vqa import check_lengths, reference_answers
+from fs_plugins.metrics.wordnet import load_wordnet
 
 _METEOR_TOKEN = re.compile(r'\w+|[^\w\s]')
 
@@ -75,7 +76,6 @@ def meteor(predictions: list[str], references: list) -> float:
     check_lengths(predictions, references)
     if not predictions:
         return float('nan')
-    from fs_plugins.metrics.wordnet import load_wordnet
     wordnet = load_wordnet()        # first: it says how to install nltk or WordNet
     from nltk.translate.meteor_score import meteor_score
     scores = [meteor_score([meteor_tokens(a) for a in reference_answers(ref)], meteor_tokens(pred),

@@ -18,6 +18,7 @@ import shutil
 from functools import lru_cache
 
 from fs_plugins.core.cache import cache_dir
+from fs_plugins.core.cache import ensure_cached_dir
 
 SYSTEM_WORDNET = '/usr/share/wordnet'
 LEXNAMES_MAN_PAGE = '/usr/share/man/man5/lexnames.5WN.gz'
@@ -73,7 +74,6 @@ def build_wordnet_dir(target: str, source: str | None = None, man_page: str | No
     """Copies `source`'s (default the Debian folder's) WordNet files into `target` and writes
     `lexnames`; built in a staging folder and renamed, so concurrent processes are safe.
     Returns `target`."""
-    from fs_plugins.core.cache import ensure_cached_dir
     source = source or SYSTEM_WORDNET
 
     def build(staging: str) -> None:

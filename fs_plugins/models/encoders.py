@@ -27,6 +27,13 @@ from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.registry import ENCODER_BACKENDS
 from fs_plugins.models.builders import check_local_dir
 from fs_plugins.models.precision import DTYPES
+from fs_plugins.data.multimodal import open_images
+from fs_plugins.data.speech import read_wav
+from fs_plugins.models.builders import from_pretrained
+from fs_plugins.models.easyvqa_llava import easyvqa_image_processor, ensure_easyvqa_llava
+from fs_plugins.models.whisper_ct2 import short_clip_encoder
+from fs_plugins.models.whisper_ct2 import ensure_whisper_tiny_en
+from fs_plugins.schema.specs import ModelSpec
 
 # whisper: 100 mel frames per second, halved by the second convolution
 WHISPER_POSITIONS_PER_SECOND = 50
@@ -71,14 +78,12 @@ class SpeechEncoder(torch.nn.Module):
 
 def image_preparer(processor) -> Callable[[str], torch.Tensor]:
     def prepare(path: str) -> torch.Tensor:
-        from fs_plugins.data.multimodal import open_images
         return processor(images=open_images({'image': path}), return_tensors='pt')['pixel_values']
     return prepare
 
 
 def audio_preparer(feature_extractor) -> Callable[[str], torch.Tensor]:
     def prepare(path: str) -> torch.Tensor:
-        from fs_plugins.data.speech import read_wav
         audio = read_wav(path, feature_extractor.sampling_rate)
         return feature_extractor(audio, sampling_rate=feature_extractor.sampling_rate,
                                  return_tensors='pt')['input_features']
@@ -86,8 +91,7 @@ def audio_preparer(feature_extractor) -> Callable[[str], torch.Tensor]:
 
 
 # ------------------------------------------------------------------ image backends
-def _clip_like(model_class, processor_class, path, options, spec, drop_cls) -> LoadedEncoder:
-    from fs_plugins.models.builders import from_pretrained
+def _clip_like(model_class, processor_class, path, options, spec: ModelSpec, drop_cls) -> LoadedEncoder:
     if not path:
         raise ConfigError(f"fsplug.model.multimodal.{options['modality']}.path: the "
                           f"'{options['backend']}' backend needs a local folder or hub id")
@@ -97,24 +101,23 @@ def _clip_like(model_class, processor_class, path, options, spec, drop_cls) -> L
                          image_preparer(processor))
 
 
-def load_clip(path, options, spec) -> LoadedEncoder:
+def load_clip(path, options, spec: ModelSpec) -> LoadedEncoder:
     from transformers import CLIPImageProcessor, CLIPVisionModel
     return _clip_like(CLIPVisionModel, CLIPImageProcessor, path, options, spec, drop_cls=True)
 
 
-def load_siglip(path, options, spec) -> LoadedEncoder:
+def load_siglip(path, options, spec: ModelSpec) -> LoadedEncoder:
     from transformers import AutoImageProcessor, SiglipVisionModel
     return _clip_like(SiglipVisionModel, AutoImageProcessor, path, options, spec, drop_cls=False)
 
 
-def load_easyvqa_clip(path, options, spec) -> LoadedEncoder:
+def load_easyvqa_clip(path, options, spec: ModelSpec) -> LoadedEncoder:
     """The easy-vqa-trained CLIP tower of the `easyvqa_llava` folder (built on first use)."""
     import json
 
     from safetensors import safe_open
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    from fs_plugins.models.easyvqa_llava import easyvqa_image_processor, ensure_easyvqa_llava
     folder = ensure_easyvqa_llava(path or None)
     with open(os.path.join(folder, 'config.json'), encoding='utf-8') as handle:
         vision = CLIPVisionConfig(**json.load(handle)['vision_config'])
@@ -133,7 +136,7 @@ TINY_CLIP = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=
                  num_hidden_layers=1, num_attention_heads=2)
 
 
-def load_tiny_clip(path, options, spec) -> LoadedEncoder:
+def load_tiny_clip(path, options, spec: ModelSpec) -> LoadedEncoder:
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
@@ -162,12 +165,9 @@ def whisper_feature_extractor(extractor, positions: int):
     return short
 
 
-def load_whisper(path, options, spec) -> LoadedEncoder:
+def load_whisper(path, options, spec: ModelSpec) -> LoadedEncoder:
     from transformers import WhisperFeatureExtractor, WhisperModel
-    from fs_plugins.models.builders import from_pretrained
-    from fs_plugins.models.whisper_ct2 import short_clip_encoder
     if not path:
-        from fs_plugins.models.whisper_ct2 import ensure_whisper_tiny_en
         path = ensure_whisper_tiny_en()
     whisper = from_pretrained(WhisperModel, path, spec, dtype=DTYPES[spec.model.dtype])
     positions = whisper_positions(options)
@@ -178,7 +178,7 @@ def load_whisper(path, options, spec) -> LoadedEncoder:
                          audio_preparer(extractor))
 
 
-def load_tiny_whisper(path, options, spec) -> LoadedEncoder:
+def load_tiny_whisper(path, options, spec: ModelSpec) -> LoadedEncoder:
     from transformers import WhisperConfig, WhisperFeatureExtractor
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
     positions = whisper_positions(options)
@@ -244,7 +244,7 @@ def check_local_dir_file(path: str) -> str:
     return expanded
 
 
-def load_imagebind(path, options, spec) -> LoadedEncoder:
+def load_imagebind(path, options, spec: ModelSpec) -> LoadedEncoder:
     from imagebind import data as imagebind_data
     modality = options['modality']
     model = _imagebind_model(path).to(DTYPES[spec.model.dtype]).eval()
@@ -267,7 +267,7 @@ for _name, _modalities, _loader in [('clip', {'image'}, load_clip),
     ENCODER_BACKENDS.add(_name, (frozenset(_modalities), _loader))
 
 
-def load_encoder(modality: str, options: dict, spec) -> LoadedEncoder:
+def load_encoder(modality: str, options: dict, spec: ModelSpec) -> LoadedEncoder:
     """The encoder `fsplug.model.multimodal.<modality>` configures (`options`: that node)."""
     backend = options['backend']
     modalities, loader = ENCODER_BACKENDS.get(backend)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from fs_plugins.models.builders import LoadedBase, load_causal_lm, register_builder
 from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.olmoe import build_tiny_dir, random_causal_lm
+from fs_plugins.schema.specs import ModelSpec
 
 TINY_OLMO_CONFIG = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
@@ -43,6 +44,6 @@ def ensure_tiny_olmo(path: str | None = None) -> str:
 
 
 @register_builder('tiny_olmo')
-def load_tiny_olmo(spec, path: str) -> LoadedBase:
+def load_tiny_olmo(spec: ModelSpec, path: str) -> LoadedBase:
     """A tiny random dense OLMo built locally; `path` '' or 'tiny-olmo' uses the cache."""
     return load_causal_lm(spec, ensure_tiny_olmo(None if path in ('', 'tiny-olmo') else path))

@@ -16,6 +16,7 @@ import torch
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema.plugin import DTYPE_NAMES
+from fs_plugins.schema.specs import ModelSpec
 
 # fsplug.model.dtype -> the torch dtype of the frozen base
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -64,7 +65,7 @@ def place_model(model: torch.nn.Module, device: torch.device) -> None:
             tensor.data = tensor.data.to(device)
 
 
-def check_quantization(spec, method) -> None:
+def check_quantization(spec: ModelSpec, method) -> None:
     """fsplug.model.quantization is usable here: CUDA, bitsandbytes, a from_pretrained builder
     and a method that never edits the frozen weights; a ConfigError naming what is missing."""
     mode, model_cfg = spec.model.quantization, spec.model
@@ -84,7 +85,7 @@ def check_quantization(spec, method) -> None:
         raise ConfigError(f"{key} needs the bitsandbytes package: pip install bitsandbytes")
 
 
-def quantization_kwargs(spec) -> dict:
+def quantization_kwargs(spec: ModelSpec) -> dict:
     """from_pretrained keyword arguments of fsplug.model.quantization ({} for none)."""
     mode = spec.model.quantization
     if mode == 'none':

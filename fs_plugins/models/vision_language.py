@@ -13,6 +13,8 @@ from fs_plugins.models.builders import LoadedBase, from_pretrained, load_weights
 from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.models.codecs import (LLAVA15_PROMPT, LLAVA_IMAGE, QWEN2VL_IMAGE, QWEN2VL_PROMPT,
                                       MultimodalCodec)
+from fs_plugins.models.tiny import build_tokenizer
+from fs_plugins.schema.specs import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +52,12 @@ class Qwen2VLImageTextProcessor:
                 'pixel_values': pixels['pixel_values'], 'image_grid_thw': pixels['image_grid_thw']}
 
 
-def llava_codec(spec, processor) -> MultimodalCodec:
+def llava_codec(spec: ModelSpec, processor) -> MultimodalCodec:
     return MultimodalCodec(processor, LLAVA15_PROMPT, LLAVA_IMAGE, processor.tokenizer.eos_token,
                            int(spec.max_tokens))
 
 
-def qwen2vl_codec(spec, processor) -> MultimodalCodec:
+def qwen2vl_codec(spec: ModelSpec, processor) -> MultimodalCodec:
     return MultimodalCodec(processor, QWEN2VL_PROMPT, QWEN2VL_IMAGE, '<|im_end|>',
                            int(spec.max_tokens), answer_prefix='')
 
@@ -67,7 +69,7 @@ def _with_pad_token(processor):
 
 
 @register_builder('llava')
-def load_llava(spec, path: str) -> LoadedBase:
+def load_llava(spec: ModelSpec, path: str) -> LoadedBase:
     """LlavaForConditionalGeneration + its processor (e.g. llava-hf/llava-1.5-7b-hf)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
     processor = _with_pad_token(from_pretrained(AutoProcessor, path, spec))
@@ -75,7 +77,7 @@ def load_llava(spec, path: str) -> LoadedBase:
     return LoadedBase(model, llava_codec(spec, processor), LANGUAGE_MODEL, LLAVA_SWITCHES)
 
 
-def _qwen2vl_processor(path: str, spec):
+def _qwen2vl_processor(path: str, spec: ModelSpec):
     from transformers import AutoProcessor, AutoTokenizer
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
     try:
@@ -89,7 +91,7 @@ def _qwen2vl_processor(path: str, spec):
 
 
 @register_builder('qwen2_vl')
-def load_qwen2_vl(spec, path: str) -> LoadedBase:
+def load_qwen2_vl(spec: ModelSpec, path: str) -> LoadedBase:
     """Qwen2VLForConditionalGeneration + its processor (e.g. Qwen/Qwen2-VL-7B-Instruct)."""
     from transformers import Qwen2VLForConditionalGeneration
     processor = _with_pad_token(_qwen2vl_processor(path, spec))
@@ -106,7 +108,6 @@ TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 def build_tiny_llava_dir(path: str, seed: int = 1234) -> None:
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
-    from fs_plugins.models.tiny import build_tokenizer
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({'additional_special_tokens': ['<image>']})
     text = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -132,7 +133,6 @@ def build_tiny_llava_dir(path: str, seed: int = 1234) -> None:
 def build_tiny_qwen2vl_dir(path: str, seed: int = 1234) -> None:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-    from fs_plugins.models.tiny import build_tokenizer
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({'additional_special_tokens': QWEN2VL_SPECIAL})
     token_id = tokenizer.convert_tokens_to_ids
@@ -165,11 +165,11 @@ def _tiny_dir(path: str, builder: str, cache_name: str, build) -> str:
 
 
 @register_builder('tiny_llava')
-def load_tiny_llava(spec, path: str) -> LoadedBase:
+def load_tiny_llava(spec: ModelSpec, path: str) -> LoadedBase:
     return load_llava(spec, _tiny_dir(path, 'tiny_llava', 'tiny-llava-v1', build_tiny_llava_dir))
 
 
 @register_builder('tiny_qwen2_vl')
-def load_tiny_qwen2_vl(spec, path: str) -> LoadedBase:
+def load_tiny_qwen2_vl(spec: ModelSpec, path: str) -> LoadedBase:
     return load_qwen2_vl(spec, _tiny_dir(path, 'tiny_qwen2_vl', 'tiny-qwen2-vl-v1',
                                         build_tiny_qwen2vl_dir))

@@ -6,8 +6,9 @@ A run's results directory gets `adapters/`:
   * the peft adapter folder of `save_pretrained` (adapter_config.json +
     adapter_model.safetensors; a second peft adapter, e.g. FedDPA's 'local', in its own
     sub-folder as peft writes it) — `PeftModel.from_pretrained(base, path)` loads it;
-  * `method_modules.safetensors`: every other trained tensor (Fed-MoLE's experts and routers,
-    FLAME's rescalers, a trained projector) under its parameter name, plus the method's
+  * `method_modules.safetensors`: every trained tensor outside peft's adapter (FLAME's
+    rescalers, a trained projector; Fed-MoLE's experts and routers are peft LoRA modules and
+    go into adapter_model.safetensors) under its parameter name, plus the method's
     `artifact_extra` (tensors that are not trainable parameters but shape the model, e.g.
     FedEx-LoRA's base weights with the residual folded in, FLAME's assigned top-k);
   * `fsplug_artifact.json`: the method, the base model (model.type, builder, dtype and a
@@ -42,6 +43,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fs_plugins.schema.options import to_plain
+from fs_plugins.run.config import model_path
+from fs_plugins.methods.base import load_tensors
+from fs_plugins.run.config import client_config, load_saved_config
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.methods.building import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +122,6 @@ def readable_dir(path: str) -> str:
 
 # ----------------------------------------------------------------------- saving
 def base_info(cfg) -> dict:
-    from fs_plugins.run.config import model_path
     return {'model': model_path(cfg), 'builder': str(cfg.fsplug.model.builder),
             'dtype': str(cfg.fsplug.model.dtype), 'adapter': str(cfg.fsplug.model.adapter)}
 
@@ -322,7 +327,6 @@ def _check_base(meta: dict, cfg, folder: str) -> None:
 
 def _copy_checked(model, tensors: dict, source: str) -> None:
     """Loads saved tensors into the rebuilt model's parameters (names and shapes checked)."""
-    from fs_plugins.methods.base import load_tensors
     try:
         load_tensors(model, tensors)
     except (KeyError, ValueError) as exc:
@@ -405,7 +409,6 @@ def read_artifact(folder: str) -> dict:
 def saved_config(run_dir: str, meta: dict, client: int | None, folder: str):
     """The config that built the saved model (stored with it), checked against the run's
     config in run_info.json when the run directory has one."""
-    from fs_plugins.run.config import client_config, load_saved_config
     if 'config' not in meta:
         raise ArtifactError(f'{folder}/{ARTIFACT_JSON} holds no config (written by an older version)')
     info = _run_info(run_dir)
@@ -428,8 +431,6 @@ def load_trained(run_dir: str, client: int | None = None, device: str = 'cpu'):
 
 def load_trained_with_config(run_dir: str, client: int | None = None):
     """`load_trained` on the CPU, with the config that built the model."""
-    from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.methods.building import build_model
 
     folder = artifact_folder(run_dir, client)
     meta = read_artifact(folder)

@@ -38,6 +38,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.run.config import Cfg
+from fs_plugins.run.config import to_plain
 
 CHECKPOINT_DIR = 'checkpoint'
 FORMAT = 1
@@ -101,7 +103,6 @@ def should_checkpoint(cfg, rounds_done: int) -> bool:
 # ------------------------------------------------------------------ pack / unpack
 def _is_static(value) -> bool:
     """Config objects: rebuilt from the run's config on resume, never saved."""
-    from fs_plugins.run.config import Cfg
     try:
         from yacs.config import CfgNode
     except ImportError:   # pragma: no cover
@@ -325,7 +326,6 @@ def write_client(run_dir: str, client, round_idx: int, with_rng: bool = False) -
 def party_info(cfg, round_idx: int, rows: int | None = None) -> dict:
     """The plain part of a party's file: its round and config, and for the server the number
     of results rows the round ends with."""
-    from fs_plugins.run.config import to_plain
     info = {'round': round_idx, 'config': to_plain(cfg)}
     return info if rows is None else {**info, 'rows': rows}
 
@@ -365,7 +365,6 @@ def resume_federation(run_dir: str, round_idx: int, server, clients) -> None:
 
 def check_resumable(cfg, saved_config: dict) -> None:
     """The resumed run's config must equal the checkpointed run's, except RESUME_FREE_KEYS."""
-    from fs_plugins.run.config import to_plain
     now, then = _flat(to_plain(cfg)), _flat(saved_config)
     differ = sorted(k for k in set(now) | set(then)
                     if now.get(k) != then.get(k) and not k.startswith(RESUME_FREE_KEYS))

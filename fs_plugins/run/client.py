@@ -23,6 +23,7 @@ from fs_plugins.models.precision import DTYPES
 from fs_plugins.models.precision import forward_context, grad_scaler, place_model
 from fs_plugins.run.optim import build_optimizer, build_scheduler, schedule_window
 from fs_plugins.core.seeding import use_deterministic_algorithms
+from fs_plugins.run.artifacts import client_dir, save_client_model
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class ClientProcedure:
     def __init__(self, client_id: int, cfg, method: Method, built: BuiltModel,
                  records: dict, device='cpu'):
         self.client_id, self.cfg, self.method = client_id, cfg, method
-        use_deterministic_algorithms(cfg)
+        use_deterministic_algorithms(bool(cfg.fsplug.train.deterministic))
         method.client_id = client_id
         self.model, self.codec = built.model, built.codec
         self.trainable_names = list(built.trainable_names)
@@ -209,7 +210,6 @@ class ClientProcedure:
     def save_model(self, run_dir: str, round_idx: int) -> int:
         """Writes this client's model as it stands (fs_plugins.run.artifacts) under
         `run_dir`/adapters/client_<id>/; returns the bytes written."""
-        from fs_plugins.run.artifacts import client_dir, save_client_model
         return save_client_model(client_dir(run_dir, self.client_id), self.client_id, round_idx,
                                  self.cfg, self.method, self.model, self.trainable_names,
                                  self.state)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from fs_plugins.data.stream import last_and_auc
+from fs_plugins.core.errors import ConfigError
 
 SUMMARY_COLUMNS = ('samples', 'bytes_up', 'bytes_down')
 # accuracy columns that also get <name>_auc in the summary: the mean over all evaluations, the
@@ -42,7 +43,6 @@ class ResultsLog:
         if resume_rows is not None:
             self.rows = self._resumed_rows(resume_rows)
         elif not overwrite and os.path.isfile(self.jsonl_path) and os.path.getsize(self.jsonl_path):
-            from fs_plugins.core.errors import ConfigError
             raise ConfigError([f"fsplug.results_dir: {out_dir} already holds a run's results "
                                f"(results.jsonl); choose another directory, replace them with "
                                f"--overwrite (fsplug.overwrite True) or continue that run with "

@@ -13,6 +13,10 @@ from fs_plugins.run.results import ResultsLog, payload_bytes
 from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
 from fs_plugins.aggregation.signature import signature_of, tensor_signature
 from fs_plugins.run.validation import update_problem
+from fs_plugins.methods.building import build_model
+from fs_plugins.models.builders import architecture_only
+from fs_plugins.run.config import to_plain
+from fs_plugins.run.artifacts import global_dir, save_global_state
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +35,7 @@ class ServerProcedure:
                  layout=None):
         """layout: the global model's `artifacts.ModelLayout` (for saving the global state)."""
         self.cfg, self.method, self.results, self.layout = cfg, method, results, layout
-        use_deterministic_algorithms(cfg)
+        use_deterministic_algorithms(bool(cfg.fsplug.train.deterministic))
         results.client_groups = method.client_groups
         self.state = method.init_server_state(initial_shared)
         self.bytes_down: dict[int, int] = {}
@@ -121,7 +125,6 @@ class ServerProcedure:
         return self._expected[client_id]
 
     def _shapes_from_config(self, client_id: int) -> dict | None:
-        from fs_plugins.run.config import to_plain
         client_cfg = self.method.client_configs.get(client_id)
         if not self.own_signature:   # the server was given no model to compare with
             return None
@@ -158,7 +161,6 @@ class ServerProcedure:
 
     def save_global(self, run_dir: str, round_idx: int) -> int:
         """Writes the global shared state under `run_dir`/adapters/global/ (fs_plugins.run.artifacts)."""
-        from fs_plugins.run.artifacts import global_dir, save_global_state
         return save_global_state(global_dir(run_dir), round_idx, self.cfg, self.method,
                                  self.state['global'], self.layout)
 
@@ -166,8 +168,6 @@ class ServerProcedure:
 def client_shared_shapes(client_cfg, method_cls) -> dict | None:
     """Names and shapes of what a client with `client_cfg` shares, from its model built on the
     meta device (no weight read); None when it cannot be built so."""
-    from fs_plugins.methods.building import build_model
-    from fs_plugins.models.builders import architecture_only
     try:
         method = method_cls(client_cfg)
         with architecture_only(device='meta'):

@@ -16,6 +16,11 @@ from fs_plugins.run.artifacts import ArtifactError, load_trained_with_config
 from fs_plugins.data.instruction import load_records, read_record_file
 from fs_plugins.data.multimodal import is_multimodal, with_absolute_images
 from fs_plugins.models.codecs import EncodedDataset, MultimodalCodec
+from fs_plugins.methods.specs import device_for
+from fs_plugins.run.client import generate_answers
+from fs_plugins.run.client import generation_metrics, token_metrics
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.models.olmoe import fuse_expert_gate_up
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +65,6 @@ def _batch_size(cfg, requested: int | None) -> int:
 
 
 def _device(requested: str | None, cfg) -> str:
-    from fs_plugins.methods.specs import device_for
     return requested or device_for(cfg)
 
 
@@ -77,7 +81,6 @@ def _load(run_dir: str, client: int | None, device: str | None):
 def predict(run_dir: str, input_path: str, client: int | None = None, batch_size: int | None = None,
             max_new_tokens: int | None = None, device: str | None = None) -> list[dict]:
     """Greedy answers of the run's model to every record of `input_path`, in batches."""
-    from fs_plugins.run.client import generate_answers
     _must_exist(input_path, 'Input file')
     built, cfg, device = _load(run_dir, client, device)
     records = read_prompts(input_path, isinstance(built.codec, MultimodalCodec))
@@ -95,7 +98,6 @@ def evaluate(run_dir: str, data_path: str, client: int | None = None, batch_size
     """The run's configured metrics on another dataset (records with answers, the format of
     the training data): answer-token loss and accuracy, plus fsplug.eval.gen_metrics when the
     run generated (fsplug.eval.generate)."""
-    from fs_plugins.run.client import generation_metrics, token_metrics
     _must_exist(data_path, 'Data file')
     built, cfg, device = _load(run_dir, client, device)
     dataset = EncodedDataset(load_records(data_path), built.codec, data_path)
@@ -120,7 +122,6 @@ def own_modules(model: torch.nn.Module, merging: bool = True) -> list[str]:
 
 
 def _plain_lora_or_refuse(model, method: str, what: str, merging: bool) -> None:
-    from fs_plugins.methods.registry import get_method_class
     reason = get_method_class(method).hf_export_refusal
     if reason:
         raise ArtifactError(f"Cannot export {what} of method '{method}' as a Hugging Face model: "
@@ -142,7 +143,6 @@ def export(run_dir: str, out_dir: str, client: int | None = None, merge: bool = 
     Face folder: with merge, the LoRA merged into the base weights (peft merge_and_unload) —
     a full model any HF tooling loads; without, the peft adapter folder plus the tokenizer.
     Plain-LoRA methods only: models with the method's own modules are refused."""
-    from fs_plugins.models.olmoe import fuse_expert_gate_up
     built, cfg, _ = _load(run_dir, client, 'cpu')
     what = 'the global model' if client is None else f'client {client}'
     model = built.model

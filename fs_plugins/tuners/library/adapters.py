@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.tuners.library.builtin import BUILTIN_ADAPTERS
 
 CONFIG_FILE = 'adapter_config.json'
 WEIGHT_FILES = ('adapter_model.safetensors', 'adapter_model.bin')
@@ -41,7 +42,6 @@ class LibraryAdapter:
 
 
 def _builtin_adapters():
-    from fs_plugins.tuners.library.builtin import BUILTIN_ADAPTERS
     return BUILTIN_ADAPTERS
 
 

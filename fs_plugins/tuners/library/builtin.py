@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from fs_plugins.core.cache import ensure_cached_dir
+from fs_plugins.models.tiny import ensure_tiny_llama
 
 TINY_LIBRARY = {'tiny-a': (11, ['q_proj', 'v_proj', 'up_proj']),
                 'tiny-b': (12, ['q_proj', 'v_proj', 'down_proj'])}
@@ -17,7 +18,6 @@ LIBRARY_VERSION = 'v1'   # bump when the builtin adapters change
 def build_tiny_adapter(folder: str, seed: int, targets: list[str]) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    from fs_plugins.models.tiny import ensure_tiny_llama
     base = AutoModelForCausalLM.from_pretrained(ensure_tiny_llama())
     config = LoraConfig(r=TINY_RANK, lora_alpha=TINY_ALPHA, target_modules=targets,
                         init_lora_weights=False, task_type='CAUSAL_LM')
