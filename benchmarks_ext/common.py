@@ -19,9 +19,9 @@ import random
 import shutil
 from collections import Counter
 
+from fs_plugins.core.seeding import derive_seed
 from fs_plugins.data.multimodal import write_jsonl
 from fs_plugins.metrics.vqa import normalize_answer
-from fs_plugins.core.seeding import derive_seed
 
 SPLITS = ('train', 'test')
 IMAGE_MODES = ('symlink', 'copy', 'absolute')

@@ -170,8 +170,8 @@ def peak_extra_memory(fn, *args):
 
 
 def memory_table(K):
-    print(f'\n[3] peak extra memory of one aggregation (torch.profiler profile_memory: running sum '
-          f'of allocations and frees, inputs excluded, outputs included)')
+    print('\n[3] peak extra memory of one aggregation (torch.profiler profile_memory: running sum '
+          'of allocations and frees, inputs excluded, outputs included)')
     head = (f'{"method":>7} {"d_in=d_out":>10} {"r":>3} {"K":>4} | {"peak extra":>12} '
             f'{"largest alloc":>13} | {"peak/((d_in+d_out)*r*8B)":>24} {"peak/(d_in*d_out*4B)":>20}')
     print(head)

@@ -24,6 +24,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 from helpers import outsiders_are_refused  # noqa: E402  (shared with the tests)
+
 ROUND_START = re.compile(r'(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) .*'   # FS's lines may be coloured
                          r'training (?:round )?\(Round #(\d+)\)')
 TRAFFIC = re.compile(r'fs-plugins: sent (\d+) messages, (\d+) bytes \(([^)]*)\); refused (\d+)')
@@ -86,9 +87,10 @@ def time_one_message(megabytes: int, secure: str | None, folder: str) -> float:
     encode it) from a client to the server, each a plugin comm manager on 127.0.0.1."""
     import torch
     from federatedscope.core.message import Message
+
+    from fs_plugins.commands.credentials import party_distribute
     from fs_plugins.fs.secure import party_comm_manager
     from fs_plugins.fs.wire import encode_update
-    from fs_plugins.commands.credentials import party_distribute
     from fs_plugins.methods.base import ClientUpdate
     rows = megabytes * 2 ** 20 // (4 * 4096)
     update = ClientUpdate(1, 8, {'w': torch.randn(rows, 4096)}, {}, {'loss': 1.0})

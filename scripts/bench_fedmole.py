@@ -8,9 +8,10 @@ Configurations (LoRA r=8, alpha=16 on q,k,v,up_proj; Fed-MoLE's routed experts o
 Step time: one optimiser step (forward, backward, AdamW) on a fixed random batch, timed the way
 a client trains: Fed-MoLE runs its two ADA phases in turn (steps with routed experts + routers
 trainable, then as many with the shared experts + plain LoRA trainable; per step, so the phase
-budget does not change the figure), FedAvg-LoRA trains all adapters. The configurations are built in one process and timed in interleaved blocks (one
-local round of each in turn, repeated), so load drift on a shared machine hits all of them
-alike; reported: the median over blocks of the round's mean step time.
+budget does not change the figure), FedAvg-LoRA trains all adapters. The configurations are
+built in one process and timed in interleaved blocks (one local round of each in turn,
+repeated), so load drift on a shared machine hits all of them alike; reported: the median over
+blocks of the round's mean step time.
 
 Peak memory (torch's CPU allocations are invisible to tracemalloc): each configuration runs in
 a fresh subprocess. Once the model is built (and its lazily mapped weights faulted in), the
@@ -51,9 +52,9 @@ MODELS = {'tiny': ('tiny-llama@fsplug_llm', 'tiny_llama'),
 def build(model: str, config: str, workdir: str, extra: dict | None = None):
     """(model, trainable names, method, cfg) for one configuration, through the plugin's
     builder (`extra`: further config overrides, merged on top)."""
-    from fs_plugins.run.config import load_config, merge
-    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.run.config import load_config, merge
     model_type, builder = MODELS[model]
     method_name, hparams = CONFIGS[config]
     cfg = load_config(overrides=merge({
@@ -133,6 +134,7 @@ def measure_memory(args, workdir, extra: dict | None = None) -> dict:
     """Runs inside the per-configuration subprocess (`extra`: config overrides for build)."""
     import peft  # noqa: F401  (the runtime the model build imports, loaded before the baseline)
     from transformers import LlamaForCausalLM  # noqa: F401
+
     from fs_plugins.methods.registry import all_methods
     all_methods()
     runtime = _status_kb('VmRSS')

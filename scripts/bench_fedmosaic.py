@@ -86,11 +86,11 @@ MODELS = {'tiny': ('tiny-llama@fsplug_llm', 'tiny_llama', ['q_proj', 'v_proj', '
 
 
 def client(method: str, model: str, steps: int, batch: int, workdir: str):
+    from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.run.client import ClientProcedure
     from fs_plugins.run.config import load_config
     from fs_plugins.run.runtime import build_federated_records
-    from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.methods.building import build_model
     model_type, builder, targets, blocks = MODELS[model]
     cfg = load_config(overrides={
         'seed': 1, 'outdir': workdir, 'federate': {'client_num': 1, 'method': 'fsplug',

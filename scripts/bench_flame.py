@@ -27,10 +27,16 @@ import time
 import torch
 
 from fs_plugins.models.olmo import DENSE_LORA_MODULES, OLMO_1B_DIMS, random_olmo
-from fs_plugins.models.olmoe import (EXPERT_LORA_PARAMETERS, OLMOE_1B_7B_DIMS,
-                                     PAPER_ATTENTION_LORA_MODULES, PAPER_EXPERT_LORA_PARAMETERS,
-                                     base_parameter_counts, lora_parameter_counts, random_olmoe,
-                                     split_expert_gate_up)
+from fs_plugins.models.olmoe import (
+    EXPERT_LORA_PARAMETERS,
+    OLMOE_1B_7B_DIMS,
+    PAPER_ATTENTION_LORA_MODULES,
+    PAPER_EXPERT_LORA_PARAMETERS,
+    base_parameter_counts,
+    lora_parameter_counts,
+    random_olmoe,
+    split_expert_gate_up,
+)
 
 PAPER = {8: 342.8e9, 1: 158.0e9}
 # Table 1 / A1: (P_a, P) in B and (P̂_a, P̂) in M per budget level β1..β4
@@ -156,7 +162,7 @@ def step_time(model, optimizer, ids) -> float:
 
 
 def set_top_k(model, k: int) -> None:
-    for name, module in model.named_modules():
+    for _name, module in model.named_modules():
         if hasattr(module, 'top_k') and hasattr(module, 'num_experts'):
             module.top_k = k
 
@@ -172,7 +178,7 @@ def step_table(tokens: int, batch: int, repeats: int) -> None:
     runs = {f'FLAME k={k}, r=20': (flame_model, flame_opt, k) for k in (8, 4, 2, 1)}
     runs['HLoRA k=8, r=6'] = (hlora_model, hlora_opt, 8)
     times = {name: [] for name in runs}
-    for name, (model, opt, k) in runs.items():   # warm-up
+    for _name, (model, opt, k) in runs.items():   # warm-up
         set_top_k(model, k)
         step_time(model, opt, ids)
     for _ in range(repeats):

@@ -17,10 +17,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(builder: str, yaml_path: str):
+    from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.run.config import load_config
     from fs_plugins.run.runtime import build_federated_records
-    from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.methods.building import build_model
     cfg = load_config(yaml_path, overrides={'fsplug': {'model': {'builder': builder}}})
     built = build_model(cfg, get_method_class(cfg.fsplug.method)(cfg))
     records = build_federated_records(cfg)

@@ -43,9 +43,10 @@ CONFIGS = {'fedavg': ('fedavg', {}),
 def make_library(workdir: str) -> list[str]:
     """Two random r = 16 peft LoRAs on q, v of the smollm2 base, saved as adapter folders."""
     from peft import LoraConfig, get_peft_model
-    from fs_plugins.run.config import load_config
+
     from fs_plugins.methods.specs import model_spec
     from fs_plugins.models.builders import load_base
+    from fs_plugins.run.config import load_config
     folders = []
     for seed in (1, 2):
         folder = os.path.join(workdir, f'library_{seed}')
@@ -72,9 +73,9 @@ def base_config(workdir: str, method: str, hparams: dict, library=()) -> dict:
 
 
 def make_trainer(config: str, workdir: str, args, hparams_extra=None) -> Trainer:
-    from fs_plugins.run.config import load_config
-    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.run.config import load_config
     method_name, hparams = CONFIGS[config]
     library = make_library(workdir) if method_name == 'smartfed' else ()
     cfg = load_config(overrides=base_config(workdir, method_name, {**hparams, **(hparams_extra or {})},
@@ -108,6 +109,7 @@ def time_steps(args, workdir) -> dict[str, list[float]]:
 
 def measure_memory(args, workdir) -> dict:
     import peft  # noqa: F401
+
     from fs_plugins.methods.registry import all_methods
     all_methods()
     make_library(workdir)          # built before the baseline reading

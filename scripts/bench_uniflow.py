@@ -71,11 +71,11 @@ def measure(args) -> dict:
     """One schedule in this process: seconds per step and peak memory of the training."""
     import torch
 
+    from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.run.client import ClientProcedure
     from fs_plugins.run.config import load_config
     from fs_plugins.run.runtime import build_federated_records
-    from fs_plugins.methods.registry import get_method_class
-    from fs_plugins.methods.building import build_model
     cfg = load_config(args.cfg, ['fsplug.uniflow.schedule', args.schedule,
                                  'train.local_update_steps', str(args.steps),
                                  'use_gpu', str(torch.cuda.is_available())])

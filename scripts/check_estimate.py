@@ -5,8 +5,9 @@ top-2 on up), with and without gradient checkpointing, a fresh subprocess builds
 resets the kernel's peak-RSS counter and runs optimiser steps on one random batch (all tokens
 labelled, as the estimate's probe); measured peak = VmHWM minus the RSS of the imported runtime
 (bench_fedmole.measure_memory), and training overhead = VmHWM minus the RSS once the model is
-built (activations, gradients, optimiser state: what exists only while training). The estimate is computed in this process for the same config,
-batch and sequence, without reading the model's weights. Linux only.
+built (activations, gradients, optimiser state: what exists only while training). The estimate
+is computed in this process for the same config, batch and sequence, without reading the
+model's weights. Linux only.
 
     python scripts/check_estimate.py [--models mid smollm2] [--batch 4] [--seq-len 256]
 """

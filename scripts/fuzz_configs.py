@@ -19,8 +19,9 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 
-from fs_plugins.commands.fuzz import mutations, run_mutation  # noqa: E402
 from test_config_fuzz import shipped_yamls  # noqa: E402
+
+from fs_plugins.commands.fuzz import mutations, run_mutation  # noqa: E402
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ import argparse
 import glob
 import os
 import sys
-from unittest import mock
 
 import yaml
 
@@ -55,8 +54,7 @@ def declared_client_count(cfg) -> int:
 def party_configs(source: str) -> dict[str, dict]:
     """launch.shipped_party_configs(source) with the client count from the YAML's keys."""
     from fs_plugins.commands import launch
-    with mock.patch.object(launch, 'client_count', declared_client_count):
-        return launch.shipped_party_configs(source)
+    return launch.shipped_party_configs(source, count=declared_client_count)
 
 
 def render() -> dict[str, str]:
@@ -72,6 +70,14 @@ def render() -> dict[str, str]:
     return files
 
 
+def read(path: str) -> str | None:
+    """The text of `path`; None when there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding='utf-8') as handle:
+        return handle.read()
+
+
 def shipped() -> list[str]:
     return sorted(glob.glob(os.path.join(YAMLS, '*', 'distributed', '*', '*.yaml')))
 
@@ -83,8 +89,7 @@ def main(argv=None) -> int:
     os.chdir(REPO)   # the sources name data and outputs relative to the repository
     files = render()
     if args.check:
-        stale = [p for p, text in files.items()
-                 if not os.path.isfile(p) or open(p, encoding='utf-8').read() != text]
+        stale = [p for p, text in files.items() if read(p) != text]
         extra = sorted(set(shipped()) - set(files))
         for path in stale + extra:
             print(f'{"extra" if path in extra else "stale or missing"}: '

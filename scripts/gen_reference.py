@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument('--check', action='store_true', help='exit 1 if docs/reference.md is stale')
     args = parser.parse_args(argv)
     name = os.path.relpath(REFERENCE, REPO)
-    text = open(REFERENCE, encoding='utf-8').read()
+    with open(REFERENCE, encoding='utf-8') as handle:
+        text = handle.read()
     if BEGIN not in text or END not in text:
         print(f'{name}: the reference markers are missing', file=sys.stderr)
         return 1

@@ -8,10 +8,11 @@ import os
 import pickle
 import sys
 
+from helpers import CreatesFile
+
 import fs_plugins.fs.workers as workers
 from fs_plugins.commands.cli import main
 from fs_plugins.fs.wire import MARKER, PAYLOAD
-from helpers import CreatesFile
 
 
 def forged_update(marker: str):

@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 import torch
+from helpers import REPO, env_with_tests, tiny_config, write_yaml
 
 from fs_plugins.methods import base
-from helpers import REPO, env_with_tests, tiny_config, write_yaml
 
 GUIDE = os.path.join(REPO, 'docs', 'adding_a_method.md')
 EXAMPLES = os.path.join(REPO, 'docs', 'examples')
@@ -35,9 +35,10 @@ def _guide() -> str:
 
 # ------------------------------------------------------------------ the guide itself
 def contract_members() -> set[str]:
-    """The public hooks and class attributes of base.Method, and the instance attributes its
-    __init__ sets."""
-    members = {n for n in dir(base.Method) if not n.startswith('_')}
+    """The public hooks and class attributes of base.Method (also one only annotated), and
+    the instance attributes its __init__ sets."""
+    members = {n for n in [*dir(base.Method), *vars(base.Method).get('__annotations__', {})]
+               if not n.startswith('_')}
     init = ast.parse(textwrap.dedent(inspect.getsource(base.Method.__init__)))
     for node in ast.walk(init):
         targets = (node.targets if isinstance(node, ast.Assign)
@@ -146,7 +147,7 @@ def saved_adapter(run_dir: str, folder: str) -> dict[str, torch.Tensor]:
         os.path.join(run_dir, 'adapters', folder, 'adapter_model.safetensors'))
 
 
-_CHECKS = """
+_CHECKS = r"""
 import sys
 
 import torch

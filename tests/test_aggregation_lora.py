@@ -6,8 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from fs_plugins.aggregation import (fed_a2, fed_a2_naive, flexlora, hetlora_pad, hetlora_truncate,
-                                    lora_delta_norm, weighted_average)
+from fs_plugins.aggregation import (
+    fed_a2,
+    fed_a2_naive,
+    flexlora,
+    hetlora_pad,
+    hetlora_truncate,
+    lora_delta_norm,
+    weighted_average,
+)
 from fs_plugins.aggregation.lora import FED_A2_COND_THRESHOLD, FED_A2_RIDGE_EPS
 
 SHAPES = [(24, 16), (10, 33)]          # (d_in, d_out), both d_in != d_out
@@ -507,7 +514,7 @@ def test_principal_factors_are_the_scaled_top_r_svd(rank, scale):
     top = U[:, :rank] @ torch.diag(S[:rank]) @ Vh[:rank]
     torch.testing.assert_close(scale * (B0.double() @ A0.double()), top, rtol=1e-5, atol=1e-5)
     # the residual W − s B0 A0 holds exactly the other singular values
-    rest = torch.linalg.svdvals((W.double() - scale * B0.double() @ A0.double()))
+    rest = torch.linalg.svdvals(W.double() - scale * B0.double() @ A0.double())
     torch.testing.assert_close(rest[:9 - rank], S[rank:], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match='rank 10 exceeds the weight shape'):
         principal_factors(W, 10, scale)

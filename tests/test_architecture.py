@@ -3,18 +3,17 @@
 (e) server state across rounds. (d) heterogeneity is in test_embedded_runs.py."""
 import pytest
 import torch
-
 import toy_methods  # noqa: F401  (registers toy_phased)
+from helpers import tiny_config, write_yaml
+
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.registry import get_method_class
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import load_config
-from fs_plugins.run.runtime import build_federated_records
-from fs_plugins.methods.registry import get_method_class
-from fs_plugins.methods.building import build_model
 from fs_plugins.run.results import ResultsLog
-from fs_plugins.run.runtime import initial_global
+from fs_plugins.run.runtime import build_federated_records, initial_global
 from fs_plugins.run.server import ServerProcedure
 from fs_plugins.sim import runner as runner_mod
-from helpers import tiny_config, write_yaml
 
 TOY = {'fsplug': {'import_modules': ['toy_methods'], 'toy_phased': {'first_phase_steps': 2}}}
 
@@ -122,7 +121,9 @@ def test_failure_mid_run_keeps_results(tmp_path):
     cfg = _cfg(tmp_path, rounds=4, fsplug={'toy_phased': {'fail_at_round': 2}})
     with pytest.raises(RuntimeError, match='planned failure'):
         runner_mod.run_embedded(cfg)
-    import json, os
-    rows = [json.loads(x) for x in open(os.path.join(str(tmp_path / 'results'), 'results.jsonl'))]
+    import json
+    import os
+    with open(os.path.join(str(tmp_path / 'results'), 'results.jsonl')) as handle:
+        rows = [json.loads(x) for x in handle]
     assert {r['round'] for r in rows if r['kind'] == 'eval'} == {0, 1}
     assert os.path.exists(os.path.join(str(tmp_path / 'results'), 'summary.md'))

@@ -7,13 +7,13 @@ import os
 
 import pytest
 import torch
-
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
+from helpers import REPO, run_embedded_keeping_clients, tiny_yaml_of
+
 from fs_plugins import load_trained
+from fs_plugins.methods.registry import all_methods
 from fs_plugins.run.artifacts import ARTIFACT_JSON, MODULES_FILE, PEFT_FILE, ArtifactError, client_dir
 from fs_plugins.run.config import load_config, read_yaml
-from fs_plugins.methods.registry import all_methods
-from helpers import REPO, run_embedded_keeping_clients, tiny_yaml_of
 
 METHODS = sorted(all_methods())
 
@@ -111,6 +111,7 @@ def test_global_state_and_periodic_saves(tmp_path):
 def test_peft_loads_a_plain_lora_client_folder(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     from fs_plugins.models.tiny import ensure_tiny_llama
     results, clients = _run(tmp_path, 'fedavg')
     folder = client_dir(results.out_dir, 2)

@@ -9,10 +9,11 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)   # benchmarks_ext is not an installed package
 
+from fixtures_multimodal import build_fedmed_raw, build_fedvqa_raw  # noqa: E402
+
 from benchmarks_ext.common import PrepareError, majority_answer, parse_sizes  # noqa: E402
 from benchmarks_ext.fedmed import prepare as fedmed  # noqa: E402
 from benchmarks_ext.fedvqa import prepare as fedvqa  # noqa: E402
-from fixtures_multimodal import build_fedmed_raw, build_fedvqa_raw  # noqa: E402
 from fs_plugins.metrics.detection import detection_iou  # noqa: E402
 
 RECORD_KEYS = {'id', 'image', 'question', 'answer', 'task', 'source', 'split', 'client'}
@@ -39,7 +40,7 @@ def counts(records):
 def check_records(records, out_dir):
     assert len({r['id'] for r in records}) == len(records)
     for r in records:
-        assert RECORD_KEYS <= set(r)
+        assert set(r) >= RECORD_KEYS
         assert r['split'] in ('train', 'test')
         image = r['image'] if os.path.isabs(r['image']) else os.path.join(out_dir, r['image'])
         assert os.path.isfile(image), r

@@ -11,17 +11,18 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)   # benchmarks_ext is not an installed package
 
+from fixtures_multimodal import write_image, write_json, write_lines  # noqa: E402
+
 from benchmarks_ext.common import PrepareError  # noqa: E402
 from benchmarks_ext.drake import prepare as drake  # noqa: E402
 from benchmarks_ext.drake.table import TABLE_34  # noqa: E402
 from benchmarks_ext.hflb import prepare as hflb  # noqa: E402
 from benchmarks_ext.hflb import rules  # noqa: E402
 from benchmarks_ext.hflb.table import TABLE_13  # noqa: E402
-from fixtures_multimodal import write_image, write_json, write_lines  # noqa: E402
-from fs_plugins.run.config import client_overrides, load_config, read_yaml  # noqa: E402
 from fs_plugins.data import stream  # noqa: E402
-from fs_plugins.run.runtime import build_federated_records  # noqa: E402
 from fs_plugins.data.instruction import load_records  # noqa: E402
+from fs_plugins.run.config import client_overrides, load_config, read_yaml  # noqa: E402
+from fs_plugins.run.runtime import build_federated_records  # noqa: E402
 
 RECORD_KEYS = {'id', 'image', 'question', 'answer', 'task', 'pfl_task', 'task_label', 'source', 'split',
                'client'}
@@ -228,7 +229,7 @@ def check_fields(records, out_file):
     folder = os.path.dirname(out_file)
     assert len({r['id'] for r in records}) == len(records)
     for r in records:
-        assert RECORD_KEYS <= set(r), r
+        assert set(r) >= RECORD_KEYS, r
         assert r['split'] in SPLITS and r['question'] and r['answer']
         for image in ([r['image']] if isinstance(r['image'], str) else r['image']):
             assert os.path.isfile(os.path.join(folder, image)), r
@@ -282,7 +283,8 @@ def test_keyword_rules_put_examples_in_the_right_task(rule, text, task):
 
 
 def test_type_based_rules():
-    assert rules.abstract_task({'answer': 'red', 'answer_type': 'other', 'question': 'What colour is it?'}) == 'attribute'
+    assert rules.abstract_task({'answer': 'red', 'answer_type': 'other',
+                                'question': 'What colour is it?'}) == 'attribute'
     assert rules.abstract_task({'answer': '3', 'question': 'How many?'}) == 'number'   # no answer_type
     assert rules.cocoqa_task({'cocoqa_type': 3}) == 'location'
     assert rules.gqa_form({'answer': 'Yes', 'gqa_types': {'structural': 'logical'}}) == 'yes_no'
@@ -351,7 +353,8 @@ def test_hflb_per_task_cap_is_seeded(hflb_raw, tmp_path):
     assert ids['a'] == ids['b'] != ids['c']    # the GQA attribute and AQUA standing tasks have two
 
 
-@pytest.mark.parametrize('rel', ['gqa/questions/testdev_balanced_questions.json', 'abstract/abstract_v002_val2015_annotations.json',
+@pytest.mark.parametrize('rel', ['gqa/questions/testdev_balanced_questions.json',
+                                 'abstract/abstract_v002_val2015_annotations.json',
                                  'snli_ve/snli_ve_test.jsonl', 'cocoqa/train/types.txt', 'nlvr2/test1.json',
                                  'vizwiz/Annotations/val.json', 'aqua/train.json',
                                  'nlvr2/images/train/3/train-0-0-img1.png'])
@@ -408,11 +411,13 @@ def test_drake_clients_tasks_images_and_sizes(drake_out):
         counts.setdefault((r['client'], r['pfl_task']), {}).setdefault(r['split'], 0)
         counts[(r['client'], r['pfl_task'])][r['split']] += 1
     for client in TABLE_34:
-        for index, (spec, task) in enumerate(client.specs()):
+        for spec, task in client.specs():
             pooled = summary['raw_records'][f'{client.name}/{spec.key}'] == {'pool': 5}
-            assert counts[(client.name, spec.key)] == ({'train': 4, 'test': 1} if pooled else {'train': 2, 'test': 2})
+            assert counts[(client.name, spec.key)] == ({'train': 4, 'test': 1} if pooled
+                                                       else {'train': 2, 'test': 2})
             mine = [r for r in records if r['pfl_task'] == spec.key and r['client'] == client.name]
-            assert {(r['source'], r['task_label'], r['task']) for r in mine} == {(task.dataset, task.label, client.kind)}
+            assert ({(r['source'], r['task_label'], r['task']) for r in mine}
+                    == {(task.dataset, task.label, client.kind)})
     bongard = [r for r in records if r['source'].startswith('Bongard') and isinstance(r['image'], list)]
     assert bongard and all(len(r['image']) in (2, 3) for r in bongard)
     conversations = [r for r in records if 'source_id' in r]

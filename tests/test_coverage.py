@@ -5,10 +5,10 @@ import re
 import sys
 
 import pytest
-
-from fs_plugins.run.config import ConfigError, load_config
-from fs_plugins.methods.registry import all_methods
 from helpers import REPO, tiny_yaml_of
+
+from fs_plugins.methods.registry import all_methods
+from fs_plugins.run.config import ConfigError, load_config
 
 sys.path.insert(0, os.path.join(REPO, 'scripts'))
 import gen_reference  # noqa: E402

@@ -4,12 +4,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fs_plugins.run.config import ConfigError
 from fs_plugins.data import splitters
 from fs_plugins.data.batches import BatchStream, local_steps
 from fs_plugins.data.builtin import tiny_tasks_records
 from fs_plugins.data.instruction import IGNORE_INDEX, format_prompt, load_records, tokenize_record
-from fs_plugins.run.config import Cfg
+from fs_plugins.run.config import Cfg, ConfigError
 
 
 def _records(n_per=30):
@@ -71,8 +70,9 @@ def test_prompt_templates():
 
 
 def test_loss_only_on_answer_tokens():
-    from fs_plugins.models.tiny import ensure_tiny_llama
     from transformers import AutoTokenizer
+
+    from fs_plugins.models.tiny import ensure_tiny_llama
     tok = AutoTokenizer.from_pretrained(ensure_tiny_llama())
     rec = {'instruction': 'Add the two numbers.', 'input': '1 2', 'output': '3'}
     ex = tokenize_record(rec, tok, 'plain', 64)

@@ -8,7 +8,6 @@ import re
 import unicodedata
 
 import pytest
-
 from helpers import REPO
 
 README = os.path.join(REPO, 'README.md')
@@ -42,7 +41,9 @@ def anchors(path: str) -> set[str]:
     """The anchors of a markdown file's headings (repeated headings get -1, -2, ...)."""
     seen: dict[str, int] = {}
     out = set()
-    for match in HEADING.finditer(FENCE.sub('', open(path, encoding='utf-8').read())):
+    with open(path, encoding='utf-8') as handle:
+        text = handle.read()
+    for match in HEADING.finditer(FENCE.sub('', text)):
         base = slug(match.group(2))
         count = seen.get(base, 0)
         seen[base] = count + 1

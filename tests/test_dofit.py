@@ -2,12 +2,12 @@
 per-domain states end to end."""
 import pytest
 import torch
+from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
+from test_methods import direct_method, lora_pair, naive_weighted_mean, train_rows
 
 from fs_plugins.aggregation.domains import dofit_inter_domain, proximal_perturbation
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.run.config import load_config
-from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
-from test_methods import direct_method, lora_pair, naive_weighted_mean, train_rows
 
 LAYERS = ('m.l0', 'm.l1', 'm.l2')
 

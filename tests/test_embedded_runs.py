@@ -5,10 +5,10 @@ import os
 
 import pytest
 import torch
+from helpers import tiny_config, write_yaml
 
 from fs_plugins.run.config import load_config
 from fs_plugins.sim.runner import run_embedded
-from helpers import tiny_config, write_yaml
 
 
 def _run(tmp_path, method, client_cfgs=None, **updates):
@@ -26,7 +26,8 @@ def test_results_files_and_table(tmp_path, method, capsys):
     results = _run(tmp_path, method)
     out = capsys.readouterr().out
     assert 'Per-client results' in out and '| average |' in out
-    lines = open(os.path.join(results.out_dir, 'results.jsonl')).read().splitlines()
+    with open(os.path.join(results.out_dir, 'results.jsonl')) as handle:
+        lines = handle.read().splitlines()
     rows = [json.loads(line) for line in lines]
     train = [r for r in rows if r['kind'] == 'train']
     evals = [r for r in rows if r['kind'] == 'eval']
@@ -39,9 +40,11 @@ def test_results_files_and_table(tmp_path, method, capsys):
         assert 0.0 <= r['test_token_acc'] <= 1.0 and r['test_avg_loss'] > 0
     with open(os.path.join(results.out_dir, 'results.csv')) as handle:
         assert len(list(csv.DictReader(handle))) == len(rows)
-    summary = open(os.path.join(results.out_dir, 'summary.md')).read()
+    with open(os.path.join(results.out_dir, 'summary.md')) as handle:
+        summary = handle.read()
     assert summary.count('\n') == 2 + 4 + 1 and '1 (arith)' in summary
-    info = json.load(open(os.path.join(results.out_dir, 'run_info.json')))
+    with open(os.path.join(results.out_dir, 'run_info.json')) as handle:
+        info = json.load(handle)
     assert info['runner'] == 'embedded' and info['method'] == method
 
 
@@ -67,8 +70,8 @@ def test_standalone_sends_nothing_and_clients_diverge(tmp_path):
     b_keys = [n for n in clients[1].trainable_names if 'lora_B' in n]
     assert b_keys
     # the initial adapters (they depend only on the seed): peft starts every lora_B at zero
-    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
     initial = dict(build_model(cfg, get_method_class('standalone')(cfg)).model.named_parameters())
     for key in b_keys:
         assert torch.count_nonzero(initial[key]) == 0, key

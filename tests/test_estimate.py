@@ -7,13 +7,13 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO, tiny_yaml_of
 
 from fs_plugins.commands.cli import main as cli_main
-from fs_plugins.run.config import load_config
 from fs_plugins.commands.estimate import estimate_client, saved_activation_bytes
-from fs_plugins.methods.registry import get_method_class
 from fs_plugins.methods.building import build_model
-from helpers import REPO, tiny_yaml_of
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.run.config import load_config
 
 
 class Toy(torch.nn.Module):
@@ -69,9 +69,10 @@ def test_cli_prints_one_row_per_client(tmp_path, capsys):
                     reason='measures peak RSS through /proc/self/clear_refs (Linux)')
 def test_estimate_is_near_the_measured_cpu_peak():
     """scripts/check_estimate.py on the 'mid' random Llama (hidden 512, 4 layers): the estimated
-    peak within 0.6-1.5× the measured one (a gross miss, e.g. activations left out, is ~0.3×), with and without checkpointing, for FedAvg-LoRA and
-    Fed-MoLE. At this size the process's own allocations (tens of MB) weigh; on SmolLM2 the
-    ratios are 0.9-1.1 (README, Training at the papers' scale)."""
+    peak within 0.6-1.5× the measured one (a gross miss, e.g. activations left out, is ~0.3×),
+    with and without checkpointing, for FedAvg-LoRA and Fed-MoLE. At this size the process's own
+    allocations (tens of MB) weigh; on SmolLM2 the ratios are 0.9-1.1 (README, Training at the
+    papers' scale)."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, 'scripts', 'check_estimate.py'),
                            '--models', 'mid'], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]

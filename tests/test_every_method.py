@@ -5,17 +5,18 @@ import math
 
 import pytest
 import torch
-
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
-from fs_plugins.run.config import load_config
-from fs_plugins.methods.registry import all_methods
 from helpers import run_embedded_keeping_clients, tiny_yaml_of
+
+from fs_plugins.methods.registry import all_methods
+from fs_plugins.run.config import load_config
 
 METHODS = sorted(all_methods())
 
 
 def test_the_registry_finds_the_package_methods():
     import pkgutil
+
     import fs_plugins.methods as package
     modules = {m.name for m in pkgutil.iter_modules(package.__path__)}
     found = {cls.__module__.rsplit('.', 1)[-1] for cls in all_methods().values()}

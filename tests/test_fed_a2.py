@@ -6,13 +6,13 @@ import os
 
 import pytest
 import torch
+from helpers import REPO, run_embedded_keeping_clients
 
 from fs_plugins.aggregation import fed_a2_naive
-from fs_plugins.run.config import ConfigError, client_overrides, load_config, read_yaml
 from fs_plugins.methods.base import ClientUpdate, weights_of
 from fs_plugins.methods.fed_a2 import FedA2LoRA
 from fs_plugins.methods.registry import get_method_class
-from helpers import REPO, run_embedded_keeping_clients
+from fs_plugins.run.config import ConfigError, client_overrides, load_config, read_yaml
 
 TINY = os.path.join(REPO, 'yamls', 'fed_a2', 'tiny.yaml')
 CLIENTS = os.path.join(REPO, 'yamls', 'fed_a2', 'tiny_clients.yaml')

@@ -5,19 +5,18 @@ import os
 
 import pytest
 import torch
+from helpers import REPO, run_embedded_keeping_clients, tiny_yaml_of
 
 from fs_plugins.aggregation import weighted_average
-from fs_plugins.aggregation.lora import (FED_A2_RIDGE_EPS, fed_a2, fed_a2_vera,
-                                         fed_a2_vera_naive, hetlora_pad)
+from fs_plugins.aggregation.lora import FED_A2_RIDGE_EPS, fed_a2, fed_a2_vera, fed_a2_vera_naive, hetlora_pad
 from fs_plugins.aggregation.pairs import is_input_factor, vera_pairs
-from fs_plugins.run.config import ConfigError, client_overrides, load_config
 from fs_plugins.methods.base import ClientUpdate, weights_of
 from fs_plugins.methods.fed_a2 import FedA2LoRA
 from fs_plugins.methods.feddpa import is_local
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.run.config import ConfigError, client_overrides, load_config
 from fs_plugins.run.results import ResultsLog
 from fs_plugins.run.server import ServerProcedure
-from helpers import REPO, run_embedded_keeping_clients, tiny_yaml_of
 
 TINY = os.path.join(REPO, 'yamls', 'fed_a2', 'tiny.yaml')
 VERA = ['fsplug.model.adapter', 'vera', 'fsplug.model.vera.r', '16']

@@ -5,13 +5,12 @@ import math
 
 import pytest
 import torch
-
-from fs_plugins.aggregation.clustering import (average_linkage, b_distances, choose_clusters,
-                                               nearest_cluster, silhouette)
-from fs_plugins.methods.base import ClientUpdate
-from fs_plugins.tuners.lease import LeaseMixture, expert_weights
 from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 from test_methods import direct_method, lora_pair, naive_weighted_mean, train_rows
+
+from fs_plugins.aggregation.clustering import average_linkage, b_distances, choose_clusters, nearest_cluster, silhouette
+from fs_plugins.methods.base import ClientUpdate
+from fs_plugins.tuners.lease import LeaseMixture, expert_weights
 
 
 # ------------------------------------------------------------------ clustering maths

@@ -2,15 +2,15 @@
 client, client-local persistence of routed experts and routers, and the ablation switches."""
 import pytest
 import torch
+from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 
+from fs_plugins.methods.fedmole import AGGREGATED_KINDS, ROUTED, ROUTER, SHARED, parameter_kind
+from fs_plugins.methods.registry import get_method_class
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.run.runtime import build_federated_records
-from fs_plugins.methods.fedmole import AGGREGATED_KINDS, ROUTED, ROUTER, SHARED, parameter_kind
-from fs_plugins.methods.registry import get_method_class
 from fs_plugins.sim import runner as runner_mod
 from fs_plugins.tuners.mole import MoleConfig, RoutedLoraExperts, dense_reference
-from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 
 # tiny model: 2 layers, hidden 64, intermediate 128; LoRA r = 8 on q, v, up, down
 LAYERS, HIDDEN, INTER, R = 2, 64, 128, 8
@@ -133,9 +133,10 @@ def test_mole_sits_only_on_lora_wrapped_up_proj(tmp_path):
 def test_mole_follows_lora_onto_the_language_model(tmp_path, builder):
     """Vision-language builders restrict LoRA to the language model; MoLE goes only where
     LoRA is. The trainable projector is shared and trains with the shared experts."""
+    from test_multimodal import vl_config
+
     from fs_plugins.data.instruction import load_records
     from fs_plugins.methods.building import build_model
-    from test_multimodal import vl_config
     cfg, data = vl_config(tmp_path, builder, fsplug={
         'method': 'fedmole',
         'model': {'lora': {'target_modules': ['q_proj', 'v_proj', 'up_proj']}}})
@@ -332,11 +333,11 @@ def test_paper_yaml_uploads_table5_bytes():
     """Table 5: FedAvg + LoRA and Fed-MoLE send 226.8 MB per round for five clients on
     LLaVA-1.5-7B. The paper YAML's LoRA (r = 8 on q, k, v, up of the language model and on q, k,
     v of the CLIP tower, float32 adapters) gives exactly that; built on the meta device."""
+    from helpers import REPO
     from peft import LoraConfig, get_peft_model
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     from fs_plugins.models.builders import scoped_targets
-    from helpers import REPO
     cfg = load_config(f'{REPO}/yamls/fedmole/fedvqa_llava15_7b.yaml')
     model_cfg = cfg.fsplug.model
     # llava-hf/llava-1.5-7b-hf: CLIP ViT-L/14-336 + Vicuna-7B

@@ -6,17 +6,16 @@ import os
 
 import pytest
 import torch
+from helpers import REPO, run_embedded_keeping_clients
 
 from fs_plugins.aggregation.mosaic import rela_weights
 from fs_plugins.methods.base import ClientUpdate
-from fs_plugins.run.config import ConfigError, client_config, client_overrides, load_config, read_yaml
-from fs_plugins.methods.fedmosaic import (ARCH_KEY, GRAD_KEY, PQ_PREFIX, FedMosaic,
-                                          model_type_id)
 from fs_plugins.methods.building import build_model
+from fs_plugins.methods.fedmosaic import ARCH_KEY, GRAD_KEY, PQ_PREFIX, FedMosaic, model_type_id
 from fs_plugins.methods.specs import model_spec
 from fs_plugins.models.builders import load_base
+from fs_plugins.run.config import ConfigError, client_config, client_overrides, load_config, read_yaml
 from fs_plugins.tuners.mosaic.rela import RelaGradients, output_layer_gradient
-from helpers import REPO, run_embedded_keeping_clients
 
 TINY = os.path.join(REPO, 'yamls', 'fedmosaic', 'tiny.yaml')
 CLIENTS = os.path.join(REPO, 'yamls', 'fedmosaic', 'tiny_clients.yaml')
@@ -88,7 +87,7 @@ def test_alignment_is_orthonormal_lowers_the_objective_and_is_cached(tmp_path, c
     caplog.clear()
     again, _, _ = _built(cfg, LARGE)
     assert any('from ' in r.message for r in caplog.records)
-    for (n1, p1), (n2, p2) in zip(built.model.named_parameters(), again.model.named_parameters()):
+    for (_n1, p1), (_n2, p2) in zip(built.model.named_parameters(), again.model.named_parameters()):
         torch.testing.assert_close(p1, p2, rtol=0, atol=0)
     # another r is another alignment
     _built(_cfg(tmp_path, 'fsplug.model.lora.r', '4'), LARGE)

@@ -7,11 +7,21 @@ import math
 import pytest
 import torch
 
-from fs_plugins.aggregation.mosaic import (a_alignment_loss, align_a, align_b,
-                                           canonical_correlations, cca_projections, ema_update,
-                                           nearest_orthonormal_rows, orthonormal_columns,
-                                           orthonormal_rows, pq_block_layers, rela_weights,
-                                           sanitise_gradient, shared_mask)
+from fs_plugins.aggregation.mosaic import (
+    a_alignment_loss,
+    align_a,
+    align_b,
+    canonical_correlations,
+    cca_projections,
+    ema_update,
+    nearest_orthonormal_rows,
+    orthonormal_columns,
+    orthonormal_rows,
+    pq_block_layers,
+    rela_weights,
+    sanitise_gradient,
+    shared_mask,
+)
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -385,8 +395,12 @@ def test_customised_globals_follow_eq4_within_and_across_architectures():
 
 def test_alignment_moments_stream_to_the_full_batch_objective_and_cca():
     """Rows added batch by batch give Eq. 20's value and the B-output CCA of all rows at once."""
-    from fs_plugins.aggregation.mosaic import (AlignmentMoments, a_alignment_loss_from_moments,
-                                               align_a_from_moments, b_output_cca)
+    from fs_plugins.aggregation.mosaic import (
+        AlignmentMoments,
+        a_alignment_loss_from_moments,
+        align_a_from_moments,
+        b_output_cca,
+    )
     m, r, d_i, d_j, out_i, out_j = 90, 3, 10, 12, 14, 9
     x_i = torch.randn(m, d_i, generator=_gen(60), dtype=torch.float64) + 0.5
     x_j = x_i @ torch.randn(d_i, d_j, generator=_gen(61), dtype=torch.float64)

@@ -4,20 +4,24 @@ mixed-rank baselines. Small random OLMoE models built in memory."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import deep_update, tiny_config, write_yaml
 
 from fs_plugins.aggregation import activation_aware_weights, weighted_average
 from fs_plugins.aggregation.activation import activation_frequency
 from fs_plugins.aggregation.experts import fuse, merge_experts, split_experts, unfuse
-from fs_plugins.run.config import ConfigError, client_config, load_config
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.expertwise import HetLoRAExperts
-from fs_plugins.methods.flame import (COUNTS_PREFIX, DEFAULT_TOP_K_KEY, STEPS_KEY, TOTALS_PREFIX,
-                                      Flame)
+from fs_plugins.methods.flame import COUNTS_PREFIX, DEFAULT_TOP_K_KEY, STEPS_KEY, TOTALS_PREFIX, Flame
+from fs_plugins.models.olmoe import (
+    EXPERT_LORA_PARAMETERS,
+    PAPER_ATTENTION_LORA_MODULES,
+    PAPER_EXPERT_LORA_PARAMETERS,
+    lora_parameter_counts,
+    random_olmoe,
+    split_expert_gate_up,
+)
+from fs_plugins.run.config import ConfigError, client_config, load_config
 from fs_plugins.tuners.flame import RoutingTracker, moe_blocks
-from fs_plugins.models.olmoe import (EXPERT_LORA_PARAMETERS, PAPER_ATTENTION_LORA_MODULES,
-                                     PAPER_EXPERT_LORA_PARAMETERS, lora_parameter_counts,
-                                     random_olmoe, split_expert_gate_up)
-from helpers import deep_update, tiny_config, write_yaml
 
 # hidden 24 != 2 x intermediate 16, so any slip in the factor orientation fails on shapes
 DIMS = dict(vocab_size=50, hidden_size=24, intermediate_size=8, num_hidden_layers=2,
@@ -344,9 +348,9 @@ def test_server_assigns_budget_levels_and_client_cfg_overrides(tmp_path):
 
 
 def test_client_top_k_is_used_in_evaluation(tmp_path):
-    from fs_plugins.run.client import ClientProcedure
-    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.run.client import ClientProcedure
     cfg = flame_cfg(tmp_path)
     records = {'train': [{'instruction': 'Add.', 'input': '1 2', 'output': '3'}] * 4,
                'test': [{'instruction': 'Add the numbers.', 'input': '12 30', 'output': '42'}] * 3}
@@ -358,7 +362,8 @@ def test_client_top_k_is_used_in_evaluation(tmp_path):
         proc.receive(method.content_for({'global': {}}, client_id=1))   # server default: 8
         widths = set()
         for _, block in moe_blocks(proc.model):
-            block.gate.register_forward_hook(lambda m, i, out: widths.add(out[2].shape[-1]))
+            block.gate.register_forward_hook(
+                lambda m, i, out, widths=widths: widths.add(out[2].shape[-1]))
         results[k] = proc.evaluate('test')
         used[k] = widths
     assert used == {8: {8}, 1: {1}}
@@ -416,9 +421,9 @@ RECORDS = {'train': [{'instruction': f'Add {i} and {i + 1}.', 'input': '', 'outp
 
 
 def client_of(cfg, cid=1, overrides=None):
-    from fs_plugins.run.client import ClientProcedure
-    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.run.client import ClientProcedure
     ccfg = client_config(cfg, overrides)
     method = get_method_class(ccfg.fsplug.method)(ccfg)
     return ClientProcedure(cid, ccfg, method, build_model(ccfg, method), RECORDS)
@@ -563,8 +568,8 @@ def test_client_groups_by_budget_level_and_summary_rows(tmp_path):
 
 def test_tiny_dense_olmo_builder_with_lora_on_every_linear_layer(tmp_path):
     from fs_plugins.methods.building import build_model
-    from fs_plugins.models.olmo import DENSE_LORA_MODULES
     from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.models.olmo import DENSE_LORA_MODULES
     raw = tiny_config(tmp_path, 'hetlora', fsplug={'model': {
         'builder': 'tiny_olmo', 'lora': {'r': 4, 'target_modules': DENSE_LORA_MODULES}}},
                       model={'type': 'tiny-olmo@fsplug_llm'})

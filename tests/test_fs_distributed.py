@@ -12,10 +12,10 @@ import time
 
 import pytest
 import torch
-
-from fs_plugins.run.checkpoint import party_path
-from fs_plugins.commands.launch import LocalFederation, party_command
 from helpers import TESTS_DIR, env_with_tests, tiny_config, write_yaml
+
+from fs_plugins.commands.launch import LocalFederation, party_command
+from fs_plugins.run.checkpoint import party_path
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('federatedscope') is None or importlib.util.find_spec('grpc') is None,
@@ -181,6 +181,7 @@ def test_message_over_100mb_through_fs_grpc(tmp_path):
     delivered intact once fsplug.distribute.max_message_mb has raised it."""
     from federatedscope.core.configs.config import global_cfg
     from federatedscope.core.message import Message
+
     from fs_plugins.fs.config import raise_grpc_limits
     from fs_plugins.fs.secure import party_comm_manager
     from fs_plugins.fs.wire import decode_update, encode_update, encoded_size

@@ -8,16 +8,15 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 import torch
-
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
-from fs_plugins.run.config import load_config
+import yaml
+from helpers import deep_update, env_with_tests, outsiders_are_refused, tiny_config, tiny_yaml_of, write_yaml
+
 from fs_plugins.methods.library_reuse import LibraryMethod
 from fs_plugins.methods.registry import all_methods
+from fs_plugins.run.config import load_config
 from fs_plugins.sim.runner import run_embedded
-from helpers import (deep_update, env_with_tests, outsiders_are_refused, tiny_config,
-                     tiny_yaml_of, write_yaml)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('federatedscope') is None,
@@ -76,9 +75,9 @@ def assert_same_artifacts(fs_run, emb_run, folders=None):
                 assert set(fs_t) == set(emb_t), (rel, name)
                 for key in emb_t:   # float summation order differs a little between processes
                     torch.testing.assert_close(fs_t[key], emb_t[key], rtol=1e-3, atol=1e-4)
-        with open(os.path.join(fs_adapters, folder, 'fsplug_artifact.json')) as handle:
-            assert json.load(handle)['round'] == json.load(
-                open(os.path.join(emb_adapters, folder, 'fsplug_artifact.json')))['round']
+        with open(os.path.join(fs_adapters, folder, 'fsplug_artifact.json')) as handle, \
+                open(os.path.join(emb_adapters, folder, 'fsplug_artifact.json')) as emb_handle:
+            assert json.load(handle)['round'] == json.load(emb_handle)['round']
 
 
 def _embedded_rows(tmp_path, cfg_dict, client_cfgs=None):
@@ -222,7 +221,8 @@ def test_fs_distributed_matches_embedded(tmp_path, method, secure):
         federation.follow(timeout=240)
     finally:
         federation.stop_all()
-    server_log = open(server.log_path).read()
+    with open(server.log_path) as handle:
+        server_log = handle.read()
     assert server_log.count('Per-client results') == 1
     assert ('TLS, auth ' + secure if secure else 'plaintext') in server_log
     if refused_line:
@@ -267,7 +267,8 @@ def test_cli_runs_through_fs(tmp_path):
                           env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'running through FederatedScope' in proc.stderr + proc.stdout
-    info = json.load(open(tmp_path / 'results' / 'run_info.json'))
+    with open(tmp_path / 'results' / 'run_info.json') as handle:
+        info = json.load(handle)
     assert info['runner'] == 'federatedscope' and info['seed'] == 3
 
 

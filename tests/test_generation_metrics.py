@@ -167,7 +167,9 @@ def test_judge_script_with_tiny_random_llama(tmp_path):
 
 def test_judge_uses_the_chat_template_when_there_is_one(tmp_path):
     import shutil
+
     from transformers import AutoTokenizer
+
     from fs_plugins.metrics.judge import ReportJudge
     from fs_plugins.models.tiny import ensure_tiny_llama
     model_dir = str(tmp_path / 'chat-model')

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 import torch
-
-from fs_plugins.run.config import load_config
-from fs_plugins.data import glue
-from fs_plugins.run.runtime import build_federated_records
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.models.classifier import ClassificationCodec, is_task_head
 from helpers import REPO, run_embedded_keeping_clients
+
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.data import glue
+from fs_plugins.models.classifier import ClassificationCodec, is_task_head
+from fs_plugins.run.config import load_config
+from fs_plugins.run.runtime import build_federated_records
 
 TINY = os.path.join(REPO, 'yamls', 'glue', 'tiny.yaml')
 METHODS = ('fed_a2', 'fedavg', 'ffa', 'feddpa', 'fedsa')
@@ -142,8 +142,8 @@ def test_missing_folder_file_and_column_are_named(tmp_path):
 
 
 def test_classifier_builder_needs_a_glue_task(tmp_path):
-    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
     cfg = _tiny(tmp_path, 'fedavg', 2, 'data.type', 'tiny_tasks@fsplug')
     with pytest.raises(ConfigError, match="data.type = 'glue:<task>"):
         build_model(cfg, get_method_class('fedavg')(cfg))
@@ -194,8 +194,8 @@ def test_head_trains_and_is_the_weighted_average(tmp_path):
                                   ['fsplug.model.adapter', 'vera'],
                                   ['fsplug.model.dtype', 'bfloat16']])
 def test_rslora_vera_and_half_precision_variants(tmp_path, opts):
-    from fs_plugins.methods.registry import get_method_class
     from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
     cfg = _tiny(tmp_path, 'fedavg', 2, *opts)
     built = build_model(cfg, get_method_class('fedavg')(cfg))
     head = [n for n in built.trainable_names if is_task_head(n)]
@@ -209,8 +209,8 @@ def test_rslora_vera_and_half_precision_variants(tmp_path, opts):
 
 def test_saved_client_model_reloads_with_its_head(tmp_path):
     import fs_plugins
-    from fs_plugins.run.client import token_metrics
     from fs_plugins.models.codecs import EncodedDataset
+    from fs_plugins.run.client import token_metrics
     cfg = _tiny(tmp_path, 'fedsa', 1)
     results, clients = run_embedded_keeping_clients(cfg)
     reported = [r for r in results.rows if r['kind'] == 'eval' and r['client'] == 3][-1]

@@ -6,12 +6,12 @@ import sys
 
 import pytest
 import yaml
-
-from fs_plugins.run.config import load_config
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.commands.launch import LocalFederation, client_count
-from fs_plugins.fs.secure import read_credentials
 from helpers import REPO, tiny_config, tiny_yaml_of, write_yaml
+
+from fs_plugins.commands.launch import LocalFederation, client_count
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.fs.secure import read_credentials
+from fs_plugins.run.config import load_config
 
 
 def _derived(party):
@@ -101,15 +101,22 @@ def test_a_secure_launch_gives_each_party_its_own_credentials(tmp_path, auth):
 # generator reads the client counts from the YAMLs, so it needs no data and no system package
 # (easyvqa_image_audio's data synthesises speech with espeak-ng)
 _GENERATOR_WITHOUT_DATA = """
-import runpy, sys
-import fs_plugins.data.builtin as builtin
-import fs_plugins.data.federated as federated
+import importlib, runpy, sys
 
-def refuse(cfg, *args, **kwargs):
+def refuse(*args, **kwargs):
     raise AssertionError('gen_distributed.py built a dataset; it must not need one')
 
-federated.build_federated_records = federated.ensure_builtin = builtin.ensure_builtin = refuse
-sys.argv = [sys.argv[1], '--check']
+for module, name in [('fs_plugins.data.builtin', 'ensure_builtin'),
+                     ('fs_plugins.data.federated', 'ensure_builtin'),
+                     ('fs_plugins.data.federated', 'load_data_records'),
+                     ('fs_plugins.data.federated', 'split_records'),
+                     ('fs_plugins.data.federated', 'build_federated_records'),
+                     ('fs_plugins.run.runtime', 'build_federated_records'),
+                     ('fs_plugins.commands.launch', 'build_federated_records')]:
+    module = importlib.import_module(module)
+    if hasattr(module, name):
+        setattr(module, name, refuse)
+sys.argv = sys.argv[1:]   # the script, then its arguments
 runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
@@ -118,7 +125,7 @@ def test_shipped_distributed_configs_are_current():
     """yamls/<method>/distributed/ holds every registered method's tiny federation and every
     easyvqa one, generated (each file also loads in test_config), without building any data."""
     result = subprocess.run([sys.executable, '-c', _GENERATOR_WITHOUT_DATA,
-                             os.path.join(REPO, 'scripts', 'gen_distributed.py')],
+                             os.path.join(REPO, 'scripts', 'gen_distributed.py'), '--check'],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert 'shipped distributed configs are current' in result.stdout

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from helpers import REPO
 
 PACKAGE = pathlib.Path(REPO) / 'fs_plugins'

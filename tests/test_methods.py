@@ -4,13 +4,13 @@ import math
 
 import pytest
 import torch
+from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 
 from fs_plugins.aggregation.server_opt import adaptive_server_step
-from fs_plugins.run.config import load_config
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.fedex import RESIDUAL
 from fs_plugins.methods.registry import get_method_class
-from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
+from fs_plugins.run.config import load_config
 
 # tiny model: 2 layers; targets q,v (64x64), up (128<-64), down (64<-128); r = 8
 TARGETS = {'q_proj': (64, 64), 'v_proj': (64, 64), 'up_proj': (128, 64), 'down_proj': (64, 128)}
@@ -193,8 +193,10 @@ def _naive_fed_a2(updates, lam):
 def test_fed_a2_method_passes_the_ridge_through(tmp_path):
     gen = torch.Generator().manual_seed(3)
     r, d_in, d_out = 3, 7, 5
-    updates = [ClientUpdate(1, 4, {**lora_pair(gen, r, d_in, d_out), 'm.norm.weight': torch.randn(d_in, generator=gen)}),
-               ClientUpdate(2, 1, {**lora_pair(gen, r, d_in, d_out), 'm.norm.weight': torch.randn(d_in, generator=gen)})]
+    updates = [ClientUpdate(1, 4, {**lora_pair(gen, r, d_in, d_out),
+                                   'm.norm.weight': torch.randn(d_in, generator=gen)}),
+               ClientUpdate(2, 1, {**lora_pair(gen, r, d_in, d_out),
+                                   'm.norm.weight': torch.randn(d_in, generator=gen)})]
     initial = {**{k: torch.zeros_like(v) for k, v in updates[0].shared.items()},
                'm.other.weight': torch.ones(2)}
     results = {}
@@ -408,8 +410,8 @@ def test_flora_clients_merge_the_same_update_and_restart_from_a_fresh_lora(tmp_p
 
 
 def test_frlora_starts_function_identical_to_the_base(tmp_path):
-    from fs_plugins.methods.building import build_model
     from fs_plugins.aggregation.lora import principal_factors
+    from fs_plugins.methods.building import build_model
     models = {}
     for method in ('fedavg', 'frlora'):
         cfg = load_config(write_yaml(tmp_path / f'{method}.yaml', tiny_config(tmp_path, method)))

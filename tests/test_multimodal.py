@@ -5,15 +5,15 @@ import os
 
 import pytest
 import torch
+from helpers import tiny_config, write_yaml
 from PIL import Image
 
+from fs_plugins.data.instruction import IGNORE_INDEX, load_records
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.fedavg import FedAvg
 from fs_plugins.run.client import generate_answers
 from fs_plugins.run.config import ConfigError, load_config
-from fs_plugins.data.instruction import IGNORE_INDEX, load_records
-from fs_plugins.methods.fedavg import FedAvg
-from fs_plugins.methods.building import build_model
 from fs_plugins.sim.runner import run_embedded
-from helpers import tiny_config, write_yaml
 
 COLOURS = {'red': (220, 30, 30), 'green': (30, 200, 30), 'blue': (30, 30, 220)}
 
@@ -148,7 +148,8 @@ def test_missing_and_unreadable_images_are_named(tmp_path):
 
 def test_split_from_records_needs_the_field(tmp_path):
     cfg, data = vl_config(tmp_path, 'tiny_llava')
-    records = [json.loads(line) for line in open(data)]
+    with open(data) as handle:
+        records = [json.loads(line) for line in handle]
     records[0].pop('split')
     with open(data, 'w') as handle:
         handle.writelines(json.dumps(r) + '\n' for r in records)
@@ -168,6 +169,7 @@ def test_multimodal_embedded_run_reports_vqa_accuracy_and_predictions(tmp_path):
     assert {r['client'] for r in evals} == {1, 2}
     for row in evals:
         assert 0.0 <= row['test_vqa_acc'] <= 1.0 and row['test_total'] == 3
-    lines = open(os.path.join(results.out_dir, 'predictions', 'client_1.jsonl')).read().splitlines()
+    with open(os.path.join(results.out_dir, 'predictions', 'client_1.jsonl')) as handle:
+        lines = handle.read().splitlines()
     first = json.loads(lines[0])
     assert len(lines) == 3 and set(first) == {'client', 'id', 'question', 'prediction', 'reference'}

@@ -5,16 +5,15 @@ import re
 
 import pytest
 import torch
-
-from fs_plugins.run.client import ClientProcedure
-from fs_plugins.run.config import load_config
-from fs_plugins.run.runtime import build_federated_records
-from fs_plugins.methods.base import activate_adapters
-from fs_plugins.methods.registry import get_method_class
-from fs_plugins.methods.building import build_model
 from helpers import run_embedded_keeping_clients, tiny_config, write_yaml
 from test_methods import A_NUMEL, B_NUMEL, run, train_rows
 
+from fs_plugins.methods.base import activate_adapters
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.run.client import ClientProcedure
+from fs_plugins.run.config import load_config
+from fs_plugins.run.runtime import build_federated_records
 
 SMALL_KD = {'kd_steps': 4, 'kd_batch_size': 4, 'public_samples': 8}   # PerAda's server distillation
 
@@ -205,8 +204,7 @@ def test_perada_trains_personal_then_global_with_an_unhalved_proximal_term(tmp_p
 def test_perada_server_distils_the_average_towards_the_clients_ensemble(tmp_path):
     """The server's global adapter starts at the FedAvg of the clients' global adapters and
     ends closer (in KL on the public prompts) to their mean logits."""
-    from fs_plugins.aggregation import ensemble_logits, kd_divergence
-    from fs_plugins.aggregation import weighted_average
+    from fs_plugins.aggregation import ensemble_logits, kd_divergence, weighted_average
     from fs_plugins.methods.base import ClientUpdate, load_tensors, weights_of
     from fs_plugins.methods.perada import prompt_end_logits
     proc = one_client(tmp_path, 'perada', fsplug={'perada': {**SMALL_KD, 'kd_steps': 30}})

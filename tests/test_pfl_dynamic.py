@@ -2,10 +2,10 @@
 episodic memory of what has arrived, evaluation covers the tasks started ('Self') and the
 other clients' started tasks ('Others'), and the summary reports A_last and A_AUC."""
 import pytest
-
-from fs_plugins.run.config import ConfigError, load_config
-from fs_plugins.data import stream
 from helpers import TINY_YAML, run_embedded_keeping_clients
+
+from fs_plugins.data import stream
+from fs_plugins.run.config import ConfigError, load_config
 
 
 def test_stage_and_memory_schedule():

@@ -4,18 +4,18 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_config, write_yaml
 
 from fs_plugins.aggregation.average import client_weights
+from fs_plugins.methods.base import ClientUpdate
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.registry import get_method_class
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import load_config
-from fs_plugins.run.runtime import build_federated_records
-from fs_plugins.methods.base import ClientUpdate
-from fs_plugins.methods.registry import get_method_class
-from fs_plugins.methods.building import build_model
 from fs_plugins.run.optim import build_scheduler, schedule_window
 from fs_plugins.run.results import ResultsLog
+from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.run.server import ServerProcedure
-from helpers import tiny_config, write_yaml
 
 
 def _load(tmp_path, **updates):

@@ -17,6 +17,7 @@ def test_reference_page_is_current():
 def test_reference_lists_every_registered_method():
     sys.path.insert(0, os.path.join(REPO, 'scripts'))
     import gen_reference
+
     from fs_plugins.methods.registry import all_methods
     text = gen_reference.render()
     for name in all_methods():

@@ -6,15 +6,15 @@ import os
 
 import pytest
 import torch
-
 import toy_methods  # noqa: F401  (registers the test-only methods: covered like the others)
-from fs_plugins.run import checkpoint
-from fs_plugins.run.config import ConfigError, load_config
+from helpers import run_embedded_keeping_clients, tiny_yaml_of
+
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.registry import all_methods
-from fs_plugins.sim import runner
+from fs_plugins.run import checkpoint
+from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.run.validation import update_problem
-from helpers import run_embedded_keeping_clients, tiny_yaml_of
+from fs_plugins.sim import runner
 
 METHODS = sorted(all_methods())
 RESULT_FILES = ('results.jsonl', 'results.csv', 'summary.md')

@@ -6,12 +6,12 @@ import stat
 import pytest
 import yaml
 
-from fs_plugins.run.config import Cfg
 from fs_plugins.commands.credentials import make_credentials, party_distribute, party_files
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.fs.secure import Credentials, raise_grpc_limits, read_credentials, refusal
-from fs_plugins.schema.plugin import DistributeOptions
+from fs_plugins.run.config import Cfg
 from fs_plugins.schema.options import defaults_of
+from fs_plugins.schema.plugin import DistributeOptions
 
 cryptography = pytest.importorskip('cryptography')
 TOKEN = 'a' * 43

@@ -5,17 +5,16 @@ import shutil
 
 import pytest
 import torch
+from helpers import run_embedded_keeping_clients, tiny_yaml_of
 
 from fs_plugins.aggregation import eeqa_quota
-from fs_plugins.run.config import load_config
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import ClientUpdate
-from fs_plugins.methods.registry import get_method_class
 from fs_plugins.methods.building import build_model
-from fs_plugins.tuners.library import (dense_rank_mixture, load_library, rank_one_mixture,
-                                       stacked_factors)
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.run.config import load_config
+from fs_plugins.tuners.library import dense_rank_mixture, load_library, rank_one_mixture, stacked_factors
 from fs_plugins.tuners.library.adapters import resolve_path
-from helpers import run_embedded_keeping_clients, tiny_yaml_of
 
 LIBRARY = ['builtin:tiny-a', 'builtin:tiny-b']
 
@@ -41,8 +40,9 @@ def batch_of(size=2):
 
 # ------------------------------------------------------------------ MoRE maths
 def test_rank_one_experts_with_weight_one_reproduce_the_full_loras():
-    from fs_plugins.models.tiny import ensure_tiny_llama
     from transformers import AutoModelForCausalLM
+
+    from fs_plugins.models.tiny import ensure_tiny_llama
     base = AutoModelForCausalLM.from_pretrained(ensure_tiny_llama())
     library = load_library(LIBRARY, base)
     name = 'model.layers.0.self_attn.q_proj'    # both adapters target it
@@ -67,8 +67,9 @@ def test_library_factors_match_peft_loading_the_same_folders(tmp_path):
                                'fsplug.smartfed.budget', '4', 'fsplug.smartfed.quota_cap', '8')
     for layer in model.model.library_layers.values():   # zero router: uniform gates x q = 1 each
         layer.quota = layer.num_experts
-    from fs_plugins.models.tiny import ensure_tiny_llama
     from transformers import AutoModelForCausalLM
+
+    from fs_plugins.models.tiny import ensure_tiny_llama
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ensure_tiny_llama()),
                                           resolve_path(LIBRARY[0]), adapter_name='a')
     reference.load_adapter(resolve_path(LIBRARY[1]), adapter_name='b')
@@ -148,7 +149,7 @@ def test_a_federated_run_applies_eeqa_after_the_warm_up(tmp_path):
         quotas = [layer.quota for layer in proc.model.library_layers.values()]
         assert sum(quotas) == 3 * len(quotas) and len(set(quotas)) > 1   # elastic, same budget
         assert proc.state['quota_set']
-    assert len({tuple(l.quota for l in p.model.library_layers.values())
+    assert len({tuple(layer.quota for layer in p.model.library_layers.values())
                 for p in clients.values()}) == 1                        # one allocation for all
 
 
@@ -257,8 +258,9 @@ def _copy_adapter(tmp_path, name='a'):
 
 
 def _expect_error(tmp_path, adapters, *fragments, check_base=True):
-    from fs_plugins.models.tiny import ensure_tiny_llama
     from transformers import AutoModelForCausalLM
+
+    from fs_plugins.models.tiny import ensure_tiny_llama
     base = AutoModelForCausalLM.from_pretrained(ensure_tiny_llama())
     with pytest.raises(ConfigError) as info:
         load_library(adapters, base, check_base)
@@ -311,8 +313,9 @@ def test_an_empty_library_is_a_config_error_naming_the_key(tmp_path):
 
 def test_merging_adapters_of_different_ranks_is_refused(tmp_path):
     from peft import LoraConfig, get_peft_model
-    from fs_plugins.models.tiny import ensure_tiny_llama
     from transformers import AutoModelForCausalLM
+
+    from fs_plugins.models.tiny import ensure_tiny_llama
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(ensure_tiny_llama()),
                            LoraConfig(r=2, target_modules=['q_proj'], init_lora_weights=False))
     model.save_pretrained(str(tmp_path / 'r2'))

@@ -120,7 +120,8 @@ def test_synthesize_and_read(tmp_path):
     assert len(audio) == -(-frames * 16000 // rate)
     assert 0.05 < np.abs(audio).max() <= 1.0
     again = synthesize_speech(SENTENCE, str(tmp_path / 'b.wav'))
-    assert open(again, 'rb').read() == open(path, 'rb').read()  # deterministic
+    with open(again, 'rb') as first, open(path, 'rb') as second:
+        assert first.read() == second.read()  # deterministic
     at_16k = synthesize_speech(SENTENCE, str(tmp_path / 'c.wav'), sample_rate=16000)
     with wave.open(at_16k, 'rb') as handle:
         assert handle.getframerate() == 16000

@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 import torch
-
-from fs_plugins import load_trained
-from fs_plugins.run.artifacts import client_dir, global_dir
-from fs_plugins.commands.cli import main
-from fs_plugins.run.config import load_config
 from helpers import deep_update, run_embedded_keeping_clients, tiny_config, write_yaml
 from test_multimodal import vl_config
+
+from fs_plugins import load_trained
+from fs_plugins.commands.cli import main
+from fs_plugins.run.artifacts import client_dir, global_dir
+from fs_plugins.run.config import load_config
 
 
 def _text_run(tmp_path, method='fedavg', **updates):
@@ -78,6 +78,7 @@ def test_predict_and_eval_reproduce_the_final_evaluation(tmp_path, kind):
 def test_global_state_is_a_peft_adapter_folder_and_exports(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     from fs_plugins.models.tiny import ensure_tiny_llama
     results, clients = _text_run(tmp_path)
     run_dir, batch = results.out_dir, _batch(clients[1])

@@ -5,15 +5,15 @@ import math
 
 import pytest
 import torch
-
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
-from fs_plugins.run.client import micro_batch_weights
-from fs_plugins.run.config import load_config
+from helpers import run_embedded_keeping_clients, tiny_yaml_of
+
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import all_methods, get_method_class
 from fs_plugins.models import precision
-from fs_plugins.methods.building import build_model
-from helpers import run_embedded_keeping_clients, tiny_yaml_of
+from fs_plugins.run.client import micro_batch_weights
+from fs_plugins.run.config import load_config
 
 METHODS = sorted(all_methods())
 

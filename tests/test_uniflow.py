@@ -4,18 +4,18 @@ and bad input naming its record, key or file; on yamls/uniflow/tiny.yaml (random
 encoders and LLM, the locally made `tiny_media` data)."""
 import pytest
 import torch
+from helpers import REPO, run_embedded_keeping_clients
 
 from fs_plugins.aggregation.lora import fed_a2
 from fs_plugins.aggregation.pairs import lora_pairs
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.methods.uniflow import AGGREGATIONS
+from fs_plugins.models.encoder_llm import modalities
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import load_config
 from fs_plugins.run.runtime import build_federated_records
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.methods.registry import get_method_class
-from fs_plugins.methods.uniflow import AGGREGATIONS
-from fs_plugins.methods.building import build_model
-from fs_plugins.models.encoder_llm import modalities
-from helpers import REPO, run_embedded_keeping_clients
 
 TINY = f'{REPO}/yamls/uniflow/tiny.yaml'
 BOTH_CLIENT = 2   # by_source clients in sorted group order: audio, both, image
@@ -287,8 +287,14 @@ def test_imagebind_refuses_several_pool_tokens(tmp_path, fake_imagebind):
 
 @pytest.mark.parametrize('backend', ['clip', 'siglip'])
 def test_transformers_vision_backends_load_from_a_folder(tmp_path, backend):
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel,
-                              SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
     dims = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=1, num_attention_heads=2)
     model_class, config_class, processor = {

@@ -5,11 +5,20 @@ import pickle
 
 import pytest
 import torch
-
-from fs_plugins.fs.wire import (MARKER, PAYLOAD, WireError, decode_tensors, decode_update,
-                                encode_tensors, encode_update, from_blob, to_blob)
-from fs_plugins.methods.base import ClientUpdate
 from helpers import CreatesFile
+
+from fs_plugins.fs.wire import (
+    MARKER,
+    PAYLOAD,
+    WireError,
+    decode_tensors,
+    decode_update,
+    encode_tensors,
+    encode_update,
+    from_blob,
+    to_blob,
+)
+from fs_plugins.methods.base import ClientUpdate
 
 
 def _update():

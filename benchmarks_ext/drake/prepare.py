@@ -32,8 +32,7 @@ if __package__ in (None, ''):
 
 from benchmarks_ext.drake.readers import README, read_rows, task_files, to_candidate  # noqa: E402
 from benchmarks_ext.drake.table import TABLE_34, DrakeTask  # noqa: E402
-from benchmarks_ext.hflb.pfl_records import (TaskPool, base_parser, draw, run_cli,  # noqa: E402
-                                             write_benchmark)
+from benchmarks_ext.hflb.pfl_records import TaskPool, base_parser, draw, run_cli, write_benchmark  # noqa: E402
 from fs_plugins.core.seeding import derive_seed  # noqa: E402
 
 BENCHMARK = 'drake'

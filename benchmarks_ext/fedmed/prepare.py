@@ -16,8 +16,7 @@ import sys
 if __package__ in (None, ''):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks_ext.common import (Benchmark, PrepareError, read_csv, read_json,  # noqa: E402
-                                   require_file)
+from benchmarks_ext.common import Benchmark, PrepareError, read_csv, read_json, require_file  # noqa: E402
 from fs_plugins.metrics.detection import format_boxes, pixel_box_to_scaled  # noqa: E402
 
 README = 'benchmarks_ext/fedmed/README.md'

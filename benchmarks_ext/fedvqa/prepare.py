@@ -15,8 +15,7 @@ import sys
 if __package__ in (None, ''):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks_ext.common import (Benchmark, PrepareError, majority_answer,  # noqa: E402
-                                   read_json, read_lines)
+from benchmarks_ext.common import Benchmark, PrepareError, majority_answer, read_json, read_lines  # noqa: E402
 
 README = 'benchmarks_ext/fedvqa/README.md'
 BENCHMARK = 'fedvqa'

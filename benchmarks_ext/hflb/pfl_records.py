@@ -26,8 +26,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from benchmarks_ext.common import IMAGE_MODES, SPLITS, ImagePlacer, PrepareError
-from fs_plugins.data.multimodal import write_jsonl
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.data.multimodal import write_jsonl
 
 CLIENT_FIELD = 'client'
 TASK_FIELD = 'pfl_task'

@@ -36,8 +36,7 @@ if __package__ in (None, ''):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks_ext.common import SPLITS  # noqa: E402
-from benchmarks_ext.hflb.pfl_records import (TaskPool, base_parser, run_cli,  # noqa: E402
-                                             write_benchmark)
+from benchmarks_ext.hflb.pfl_records import TaskPool, base_parser, run_cli, write_benchmark  # noqa: E402
 from benchmarks_ext.hflb.readers import LOADERS, README  # noqa: E402
 from benchmarks_ext.hflb.rules import TASK_RULES  # noqa: E402
 from benchmarks_ext.hflb.table import TABLE_13, HflbClient  # noqa: E402

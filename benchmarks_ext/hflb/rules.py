@@ -54,7 +54,8 @@ AQUA_RULE = KeywordRule([
 # (VizWiz questions often start "can you tell me ...")
 VIZWIZ_RULE = KeywordRule([
     ('food_brand_label', ['food', 'foods', 'eat', 'drink', 'drinks', 'flavou?rs?', 'brands?', 'labels?',
-                          'products?', 'cans', 'canned', 'tins?', 'box', 'boxes', 'package', 'packages', 'bottles?', 'jars?',
+                          'products?', 'cans', 'canned', 'tins?', 'box', 'boxes', 'package', 'packages',
+                          'bottles?', 'jars?',
                           'soups?', 'cereals?', 'coffee', 'tea', 'milk', 'juice', 'snacks?', 'cand(?:y|ies)',
                           'cookies?', 'chips', 'sauces?', 'spices?', 'seasonings?', 'ingredients?',
                           'expiration', 'expires?', 'nutrition', 'calories', 'meals?', 'dinner', 'frozen',

@@ -31,7 +31,7 @@ class DampedFedSAConfig:
 class DampedFedSA(Method):
     name = 'damped_fedsa'                     # fsplug.method: damped_fedsa
     summary = ('example: lora_A averaged with a server step size (fsplug.damped_fedsa.server_lr), '
-               'lora_B stays on the client')  # the README's method table
+               'lora_B stays on the client')  # the method table of docs/reference.md
     sent = 'lora_A / lora_A'                  # what travels up / down
     config_class = DampedFedSAConfig          # the checked, documented fsplug.damped_fedsa node
 

@@ -15,7 +15,7 @@ Fused expert factors are split per expert with `aggregation.experts.split_expert
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -75,7 +75,7 @@ def frequency_summary(frequency) -> tuple[float, float, float]:
 
 
 def aggregate_expert_factor(key: str, client_tensors: Sequence[torch.Tensor],
-                            weights: torch.Tensor, previous: Optional[torch.Tensor]) -> torch.Tensor:
+                            weights: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
     """Σ_i p_i^j X_i^j per expert j of one fused factor; experts whose weight column is all zero
     keep `previous` (the global value). weights: (K × E) from `activation_aware_weights`.
     Accumulates in float32 (float64 for float64 inputs); returns the input dtype."""

@@ -1,7 +1,7 @@
 """Sample-weighted averaging of named tensors."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

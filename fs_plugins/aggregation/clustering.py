@@ -10,7 +10,7 @@ similarity of their LoRA B matrices, the number of clusters chosen by silhouette
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

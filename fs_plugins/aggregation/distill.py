@@ -2,7 +2,7 @@
 the distillation loss, as pure functions over logits."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

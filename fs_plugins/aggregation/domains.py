@@ -15,7 +15,7 @@ layer's (A, B) pair scored together, ‖A‖² + ‖B‖² (`units_of`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

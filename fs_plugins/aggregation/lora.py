@@ -27,7 +27,7 @@ redistribution for heterogeneous ranks), :func:`hetlora_pad` / :func:`hetlora_tr
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
@@ -68,7 +68,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def _check_factors(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor],
-                   weights: Optional[Sequence[float]], same_rank: bool) -> Tuple[List[int], int, int]:
+                   weights: Sequence[float] | None, same_rank: bool) -> tuple[list[int], int, int]:
     """Validate client factors; returns (ranks, d_in, d_out)."""
     if len(As) == 0:
         raise ValueError('No clients: As is empty')
@@ -162,7 +162,7 @@ def _resolve_lam(G: torch.Tensor, lam) -> float:
 # --------------------------------------------------------------------------------------------
 
 def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-           lam: Optional[float] = None, pad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+           lam: float | None = None, pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """FedA²-LoRA analytical aggregation, without ever forming a d_out × d_in matrix.
 
     With p = normalise_weights(weights)::
@@ -235,7 +235,7 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
 
 
 def fed_a2_naive(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-                 lam: Optional[float] = None, pad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                 lam: float | None = None, pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference FedA²: materialises U = Σ_k p_k B_k A_k (d_out × d_in) and solves with lstsq.
 
     Same problem and the same lam / lam=None rule as :func:`fed_a2` (λ is chosen from the same
@@ -319,7 +319,7 @@ def _resolve_lam_diagonal(den: torch.Tensor, lam) -> float:
 
 def fed_a2_vera(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tensor],
                 lambda_bs: Sequence[torch.Tensor], weights: Sequence[float],
-                lam: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                lam: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FedA² for VeRA: the analytical aggregation of the trained scaling vectors, without
     forming any d_out × d_in matrix.
 
@@ -375,7 +375,7 @@ def fed_a2_vera(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tens
 
 def fed_a2_vera_naive(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tensor],
                       lambda_bs: Sequence[torch.Tensor], weights: Sequence[float],
-                      lam: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      lam: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`fed_a2_vera`: materialises U = Σ_k p_k diag(λ_b,k) B diag(λ_d,k) A
     and M = B diag(λ_d) A (d_out × d_in, float64) and solves, for every row i, the
     least-squares problem [M[i, :]ᵀ; √λ] x_i = [U[i, :]ᵀ; 0] with torch.linalg.lstsq
@@ -406,7 +406,7 @@ def fed_a2_vera_naive(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torc
 # --------------------------------------------------------------------------------------------
 
 def flexlora(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-             ranks: Optional[Sequence[int]] = None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+             ranks: Sequence[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """FlexLoRA: average the full updates, then hand each client a truncated SVD of its rank.
 
     With p = normalise_weights(weights)::
@@ -486,7 +486,7 @@ def lora_delta_norm(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 
 def hetlora_pad(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-                sparsity_weighted: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                sparsity_weighted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """HetLoRA aggregation of mixed-rank clients by zero padding.
 
     Every A_k (r_k, d_in) is zero-padded to (r_max, d_in) (extra rows) and every B_k
@@ -527,7 +527,7 @@ def hetlora_pad(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights:
 
 
 def hetlora_truncate(A_global: torch.Tensor, B_global: torch.Tensor,
-                     rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                     rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What a HetLoRA client of rank r receives: A = A_global[:r, :], B = B_global[:, :r].
 
     A_global is (r_max, d_in), B_global (d_out, r_max), 1 ≤ rank ≤ r_max. Returns copies (not
@@ -551,7 +551,7 @@ def fedex_residual(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weigh
 
 
 def flora_stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-                scales: Optional[Sequence[float]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                scales: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FLoRA's noise-free aggregation by stacking (Wang et al., NeurIPS 2024, Sec. 3):
     A = [p_1 s_1 A_1; …; p_K s_K A_K] ((Σ r_k) × d_in) and B = [B_1, …, B_K] (d_out × Σ r_k),
     so that B A = Σ_k p_k s_k B_k A_k exactly, whatever the ranks r_k. p_k goes on A, as in the
@@ -569,7 +569,7 @@ def flora_stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights:
 
 
 def principal_factors(weight: torch.Tensor, rank: int, scale: float
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """FRLoRA's (and PiSSA's) initialisation (Yan et al., ICLR 2025, Eqs. 6-7): from the SVD
     W = U S Vᵀ of the pretrained weight (float32), A0 = √(S_r / s) V_rᵀ and B0 = U_r √(S_r / s)
     with the top-r singular triplets, so that s · B0 A0 = U_r S_r V_rᵀ (s: the LoRA scaling)."""

@@ -18,8 +18,8 @@ when an input is float64, unless a function says otherwise. Inputs are never mod
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -281,13 +281,13 @@ class AlignmentMoments:
     xx: torch.Tensor       # (d_j, d_j) Σ x_k x_kᵀ
 
     @classmethod
-    def zeros(cls, r: int, d: int) -> 'AlignmentMoments':
+    def zeros(cls, r: int, d: int) -> AlignmentMoments:
         def z(*shape):
             return torch.zeros(*shape, dtype=torch.float64)
         return cls(0, z(r), z(d), z(r, r), z(d, r), z(d, d))
 
     @classmethod
-    def of(cls, pivot_features: torch.Tensor, inputs: torch.Tensor) -> 'AlignmentMoments':
+    def of(cls, pivot_features: torch.Tensor, inputs: torch.Tensor) -> AlignmentMoments:
         moments = cls.zeros(pivot_features.shape[1], inputs.shape[1])
         moments.add(pivot_features, inputs)
         return moments

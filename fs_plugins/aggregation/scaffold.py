@@ -7,7 +7,7 @@ Server, with S the sampled clients of the round and N all clients:
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

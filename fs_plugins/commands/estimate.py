@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fs_plugins.core.errors import ConfigError
-from fs_plugins.models.precision import QUANTIZED_BYTES
 from fs_plugins.methods.building import build_model
-from fs_plugins.models.builders import architecture_only
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.models.builders import architecture_only
+from fs_plugins.models.precision import QUANTIZED_BYTES
 from fs_plugins.run.config import client_config, client_overrides
 
 GIB = 1024 ** 3

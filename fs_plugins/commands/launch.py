@@ -28,14 +28,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-from fs_plugins.run.config import load_config, merge, parse_opts, read_yaml
+from fs_plugins.commands.credentials import make_credentials, party_distribute
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.fs.ports import free_ports
-from fs_plugins.run.runtime import results_dir
+from fs_plugins.run.config import load_config, merge, parse_opts, read_yaml
+from fs_plugins.run.runtime import build_federated_records, results_dir
 from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
-from fs_plugins.run.runtime import build_federated_records
-from fs_plugins.commands.credentials import party_distribute
-from fs_plugins.commands.credentials import make_credentials
 
 LAUNCH_DIR = 'launch'
 ROUND_LINE = re.compile(r'training (?:round )?\(Round #(\d+)\)')   # FS's server log, 0-based
@@ -177,11 +175,10 @@ class LocalFederation:
         """Starts `party` (again: e.g. with `--resume DIR` after it was stopped)."""
         command = command or party_command(party.cfg_path, self.switches if switches is None
                                            else switches)
-        log = open(party.log_path, 'a', encoding='utf-8')
-        party.process = subprocess.Popen(command,
-                                         stdout=log, stderr=subprocess.STDOUT,
-                                         env=self._party_env(), start_new_session=True)
-        log.close()
+        with open(party.log_path, 'a', encoding='utf-8') as log:
+            party.process = subprocess.Popen(command,
+                                             stdout=log, stderr=subprocess.STDOUT,
+                                             env=self._party_env(), start_new_session=True)
 
     def _party_env(self) -> dict:
         """The parties share this machine's cores: unless OMP_NUM_THREADS says otherwise,
@@ -300,10 +297,11 @@ def launch_one(cfg_path: str, role: str, data_idx: int, server: Address, own: Ad
 SHIPPED_SERVER = Address('127.0.0.1', 50051)   # client k listens on 50051 + k
 
 
-def shipped_party_configs(source: str) -> dict[str, dict]:
+def shipped_party_configs(source: str, count=client_count) -> dict[str, dict]:
     """Every party's YAML of a distributed federation on fixed local ports, derived from the
     YAML `source` (and its `<name>_clients.yaml` beside it, when there is one), results in
-    exp/distributed/<method>_<name>: what yamls/<method>/distributed/<name>/ ships."""
+    exp/distributed/<method>_<name>: what yamls/<method>/distributed/<name>/ ships. `count(cfg)`
+    gives the number of clients (default: from the built split)."""
     stem = os.path.splitext(os.path.basename(source))[0]
     clients_path = os.path.join(os.path.dirname(source), stem + '_clients.yaml')
     client_cfgs = read_yaml(clients_path) if os.path.isfile(clients_path) else {}
@@ -311,7 +309,7 @@ def shipped_party_configs(source: str) -> dict[str, dict]:
     run_dir = os.path.join('exp', 'distributed', f'{cfg.fsplug.method}_{stem}')
     parties = [Party('server', 0, SHIPPED_SERVER)] + [
         Party('client', k, Address(SHIPPED_SERVER.host, SHIPPED_SERVER.port + k))
-        for k in range(1, client_count(cfg) + 1)]
+        for k in range(1, count(cfg) + 1)]
     return {party.name: party_config(base, party, SHIPPED_SERVER, run_dir,
                                      client_cfgs.get(party.name) if party.role == 'client'
                                      else None)

@@ -12,8 +12,8 @@ from fs_plugins.data.easyvqa_audio import easyvqa_image_audio_records
 from fs_plugins.data.multimodal import write_jsonl
 from fs_plugins.data.tiny_media import tiny_media_records
 
-_WORDS = ('apple river stone cloud green quick music paper light ocean tiger window '
-          'silver garden planet yellow forest candle bridge winter').split()
+_WORDS = ['apple', 'river', 'stone', 'cloud', 'green', 'quick', 'music', 'paper', 'light', 'ocean',
+          'tiger', 'window', 'silver', 'garden', 'planet', 'yellow', 'forest', 'candle', 'bridge', 'winter']
 
 
 def _arith(rng):

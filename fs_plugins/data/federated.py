@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.seeding import derive_seed
 from fs_plugins.data import glue, splitters, stream
 from fs_plugins.data.builtin import ensure_builtin
 from fs_plugins.data.instruction import load_records
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.core.seeding import derive_seed
 from fs_plugins.schema.specs import DataSource, SplitSpec
 
 logger = logging.getLogger(__name__)

@@ -85,9 +85,6 @@ GLUE_TASKS: dict[str, GlueTask] = {
 }
 
 
-def register_task(name: str, task: GlueTask) -> None:
-    """Adds a task to `GLUE_TASKS` (e.g. from a module in fsplug.import_modules)."""
-    GLUE_TASKS[name] = task
 
 
 # ------------------------------------------------------------------ data.type
@@ -254,8 +251,8 @@ def label_id(value, labels: tuple[str, ...], where: str) -> int:
 
 
 # ------------------------------------------------------------------- fixture
-_NEUTRAL = ('river stone cloud paper light ocean window garden planet forest candle bridge '
-            'winter music table road city valley tower market').split()
+_NEUTRAL = ['river', 'stone', 'cloud', 'paper', 'light', 'ocean', 'window', 'garden', 'planet', 'forest',
+            'candle', 'bridge', 'winter', 'music', 'table', 'road', 'city', 'valley', 'tower', 'market']
 _CUES = ('good great happy bright warm', 'bad awful sad dark cold', 'maybe perhaps often some')
 
 

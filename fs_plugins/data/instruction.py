@@ -23,7 +23,7 @@ ALPACA_NO_INPUT = (
 
 def read_record_file(path: str) -> list:
     """The records of a .jsonl (one object per line) or .json (a list) file, unchecked."""
-    with open(path, 'r', encoding='utf-8') as handle:
+    with open(path, encoding='utf-8') as handle:
         try:
             if path.endswith('.jsonl'):
                 records = [json.loads(line) for line in handle if line.strip()]

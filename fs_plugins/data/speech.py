@@ -4,8 +4,9 @@ into float32 mono audio at a target rate.
 Resampling is band-limited polyphase filtering in numpy (no scipy): the rate ratio is reduced to
 up/down, each output sample is a Kaiser-windowed sinc filter (16 zero crossings, cut off at
 0.95 × the lower Nyquist frequency) applied around its input position; the `up` filter phases
-are precomputed and the outputs sharing a phase are one matrix-vector product. Accurate to ~1e-4 on in-band tones, and it suppresses tones above the
-new Nyquist frequency instead of aliasing them (what linear interpolation would do).
+are precomputed and the outputs sharing a phase are one matrix-vector product. Accurate to ~1e-4
+on in-band tones, and it suppresses tones above the new Nyquist frequency instead of aliasing
+them (what linear interpolation would do).
 """
 from __future__ import annotations
 

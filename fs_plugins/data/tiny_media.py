@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
 from fs_plugins.data.speech import write_wav
 
 COLOURS = {'red': (220, 40, 40), 'green': (40, 200, 60), 'blue': (40, 60, 220),

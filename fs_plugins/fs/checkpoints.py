@@ -18,10 +18,24 @@ from __future__ import annotations
 
 import logging
 
-from fs_plugins.run.checkpoint import (CheckpointError, check_resumable, checkpointed_rounds,
-                                   client_party, client_payload, pack, party_info, party_path,
-                                   prune, read_info, read_party, restore_client, server_payload,
-                                   set_rng_state, should_checkpoint, write_packed)
+from fs_plugins.run.checkpoint import (
+    CheckpointError,
+    check_resumable,
+    checkpointed_rounds,
+    client_party,
+    client_payload,
+    pack,
+    party_info,
+    party_path,
+    prune,
+    read_info,
+    read_party,
+    restore_client,
+    server_payload,
+    set_rng_state,
+    should_checkpoint,
+    write_packed,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
-from fs_plugins.run.config import import_extra_modules, merge, parse_opts
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.fs.secure import raise_grpc_limits, read_credentials
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.metrics import REPORTED_METRICS
+from fs_plugins.run.config import import_extra_modules, merge, parse_opts
 from fs_plugins.schema.options import to_plain
 from fs_plugins.schema.validate import OPEN_NODE, fsplug_defaults, validate
 

@@ -1,11 +1,12 @@
 """FS data plugin: `data.type: '<file.json|file.jsonl|builtin>@fsplug'`."""
 from __future__ import annotations
 
-from fs_plugins.run.config import client_overrides
-from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.fs.config import fs_known_keys
 from fs_plugins.fs.logs import share_fs_logging
+from fs_plugins.run.config import client_overrides
+from fs_plugins.run.runtime import build_federated_records
 from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
+
 # client id -> name (source dataset), for result labels on the server of this process
 CLIENT_NAMES: dict[int, str] = {}
 # client id -> its --client_cfg entry, for the server of this process (Method.client_configs)

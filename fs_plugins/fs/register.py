@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-import federatedscope.register as fs_register   # imported by FS's config module already
+import federatedscope.register as fs_register  # imported by FS's config module already
 
 from fs_plugins.fs.config import extend_cfg, install_checked_merges, install_error_report
 from fs_plugins.fs.data import lookup_data
@@ -81,5 +81,6 @@ def register_all(config_module) -> None:
     # Self-registering FS modules must be imported now: importing them lazily inside a
     # lookup mutates the registry while FS iterates over it.
     import federatedscope.llm.trainer.trainer  # noqa: F401  # lazy: self-registering, see above
+
     import fs_plugins.fs.trainer  # noqa: F401  # lazy: self-registering (via LLMTrainer), see above
     import fs_plugins.fs.workers  # noqa: F401  # lazy: FS's workers, once the plugins are registered

@@ -26,18 +26,16 @@ import torch
 from federatedscope.core.message import Message
 from federatedscope.core.workers import Client, Server
 
-from fs_plugins.run.checkpoint import read_server, server_checkpoint_info, set_rng_state, write_client
-from fs_plugins.run.client import ClientProcedure
-from fs_plugins.run.config import Cfg, merge, to_plain
-from fs_plugins.fs.checkpoints import (CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCheckpoints,
-                                       resume_client)
+from fs_plugins.fs.checkpoints import CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCheckpoints, resume_client
 from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES
 from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.fs.secure import plugin_comm_manager
-from fs_plugins.fs.wire import (MARKER, WireError, decode_update, encode_tensors, encode_update,
-                                encoded_size)
-from fs_plugins.methods.registry import get_method_class
+from fs_plugins.fs.wire import MARKER, WireError, decode_update, encode_tensors, encode_update, encoded_size
 from fs_plugins.methods.building import build_model
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.run.checkpoint import read_server, server_checkpoint_info, set_rng_state, write_client
+from fs_plugins.run.client import ClientProcedure
+from fs_plugins.run.config import Cfg, merge, to_plain
 from fs_plugins.run.results import ResultsLog
 from fs_plugins.run.runtime import initial_global, predictions_path, results_dir, run_info
 from fs_plugins.run.server import ServerProcedure

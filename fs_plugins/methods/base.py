@@ -14,8 +14,9 @@ Nothing here imports FederatedScope; the FS binding and the embedded runner both
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -38,8 +39,8 @@ class Phase:
     model's active adapters as they are."""
     name: str
     steps: int
-    trainable: Optional[Callable[[str], bool]] = None
-    adapters: Optional[tuple[str, ...]] = None
+    trainable: Callable[[str], bool] | None = None
+    adapters: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -53,7 +54,7 @@ class ClientUpdate:
     dataset_size: int = 0             # n_k: the client's training records
     # p_k before normalisation, set by the server from fsplug.aggregation.weights
     # (server.aggregation_weight); None: num_samples
-    weight: Optional[float] = None
+    weight: float | None = None
 
 
 def weights_of(updates) -> list[float]:
@@ -80,7 +81,7 @@ class Method:
     hf_export_refusal: ClassVar[str] = ''
     # the peft adapters active outside training (evaluation, saving, export) when phases
     # switch them; None: the adapters adapt_model left active
-    inference_adapters: ClassVar[Optional[tuple[str, ...]]] = None
+    inference_adapters: ClassVar[tuple[str, ...] | None] = None
     # False: the model gets no peft adapter from fsplug.model.lora (the method brings its own
     # trainable modules, e.g. the LoRA-reuse methods' routers over a frozen library)
     uses_peft_adapter: ClassVar[bool] = True
@@ -91,7 +92,7 @@ class Method:
     def __init__(self, cfg):
         self.cfg = cfg
         self.hparams = self.options(cfg)
-        self.client_id: Optional[int] = None   # set by the ClientProcedure that uses it
+        self.client_id: int | None = None   # set by the ClientProcedure that uses it
         self.round_idx = 0   # client side: the federation's round (0-based) being trained
         # client side: which micro-batch of the optimiser step `loss` sees (0 opens a step;
         # grad.grad_accum_count micro-batches make one step)

@@ -8,8 +8,13 @@ import torch
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
 from fs_plugins.methods.specs import model_spec
-from fs_plugins.models.builders import (BuiltModel, inject_adapter, load_base,
-                                        share_frozen_tensors, unfreeze_non_adapter_modules)
+from fs_plugins.models.builders import (
+    BuiltModel,
+    inject_adapter,
+    load_base,
+    share_frozen_tensors,
+    unfreeze_non_adapter_modules,
+)
 from fs_plugins.models.checkpointing import enable_gradient_checkpointing
 from fs_plugins.models.precision import check_quantization
 

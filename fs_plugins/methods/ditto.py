@@ -14,8 +14,7 @@ global pass and are averaged.
 """
 from dataclasses import dataclass
 
-from fs_plugins.methods.base import (Method, Phase, activate_adapters, copy_adapter, load_tensors,
-                                    proximal_term)
+from fs_plugins.methods.base import Method, Phase, activate_adapters, copy_adapter, load_tensors, proximal_term
 from fs_plugins.methods.dual_adapter import add_twin_adapter, needs_lora_adapter
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option

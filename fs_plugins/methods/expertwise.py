@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fs_plugins.aggregation.experts import (block_of, expert_rank, fit_expert_rank, fuse,
-                                            is_expert_factor, unfuse)
+from fs_plugins.aggregation.experts import block_of, expert_rank, fit_expert_rank, fuse, is_expert_factor, unfuse
 from fs_plugins.methods.flame import ExpertRoutingMethod, experts_per_block
 from fs_plugins.methods.flexlora import FlexLoRA
 from fs_plugins.methods.hetlora import HetLoRA

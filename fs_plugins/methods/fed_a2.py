@@ -24,7 +24,6 @@ at start-up (`initial_global` calls `adapt_model`), since they are drawn from th
 `client_problems` keeps every client on the run's adapter and on the keys that determine the
 projections."""
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -46,13 +45,13 @@ VERA_PROJECTION_KEYS = (('seed',), ('model', 'type'), ('fsplug', 'model', 'build
 
 @dataclass
 class FedA2Config:
-    ridge: Optional[float] = option(
+    ridge: float | None = option(
         1.0, 'Tikhonov λ of B = U Aᵀ(A Aᵀ + λI)⁻¹, applied every round (UniFLoW Alg. 1 line 17; '
              '§3 after Eq. 13: "in practice λ = 1"; Table 12 uses 0.1 on image/audio); '
              '0: the "w/o Tik." ablation of Table 12; null: Eq. 13\'s case split, λ only when '
              'A Aᵀ is ill conditioned (cond ≥ 1e6: the fallback ridge of aggregation.lora.fed_a2)',
         ge=0)
-    vera_ridge: Optional[float] = option(
+    vera_ridge: float | None = option(
         None, "adapter vera: the λ of λ_b = argmin ‖diag(λ_b) M − U‖² + λ‖λ_b‖² "
               "(aggregation.lora.fed_a2_vera); null: Eq. 13's case split, λ only when the "
               "diagonal Gram matrix diag(c_i G c_iᵀ) is ill conditioned (max/min ≥ 1e6). Not "
@@ -113,7 +112,7 @@ class FedA2LoRA(Method):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.projections: Optional[dict[str, VeraProjection]] = None
+        self.projections: dict[str, VeraProjection] | None = None
 
     @classmethod
     def config_problems(cls, hparams, cfg):

@@ -9,8 +9,7 @@ from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.lora import fedex_residual
 from fs_plugins.aggregation.pairs import lora_pairs
 from fs_plugins.methods.base import load_tensors, weights_of
-from fs_plugins.methods.merged_base import (MergesIntoBase, accumulate, fold_into_base,
-                                            split_content)
+from fs_plugins.methods.merged_base import MergesIntoBase, accumulate, fold_into_base, split_content
 from fs_plugins.methods.registry import register_method
 
 RESIDUAL = 'residual/'

@@ -5,8 +5,9 @@ adapter is the shared expert and N routed LoRA experts + a top-K router are adde
 (`fs_plugins.tuners.mole`); every other LoRA target stays plain LoRA.
 Local round (ADA, Algorithm 1): phase 'routed' trains routed experts + routers (shared expert
 and plain LoRA frozen), then phase 'shared' trains the shared experts + plain LoRA (routed +
-routers frozen); each phase is a full local pass by default (`phase_steps: each`). Upload: the shared experts and plain-LoRA layers only (same names and bytes as
-FedAvg-LoRA), sample-weighted FedAvg; routed experts and routers stay on the client.
+routers frozen); each phase is a full local pass by default (`phase_steps: each`). Upload: the
+shared experts and plain-LoRA layers only (same names and bytes as FedAvg-LoRA), sample-weighted
+FedAvg; routed experts and routers stay on the client.
 
 Ablations (paper Tables 3-4): `alternating: false` is V1 (one phase, everything trains);
 `aggregate: all` is M1, `none` is M2, `shared_router` is M3.
@@ -19,7 +20,7 @@ from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import Method, Phase
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
-from fs_plugins.tuners.mole import MoleConfig, inject_mole, is_router, is_routed_expert
+from fs_plugins.tuners.mole import MoleConfig, inject_mole, is_routed_expert, is_router
 
 SHARED, ROUTED, ROUTER = 'shared', 'routed', 'router'
 # what leaves the client under each `aggregate` setting ('shared' = shared experts and

@@ -32,6 +32,7 @@ import torch
 
 from fs_plugins.aggregation.mosaic import customised_globals, rela_weights
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.seeding import derive_seed
 from fs_plugins.methods.base import Method, differing_client_keys
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import register_method
@@ -39,7 +40,6 @@ from fs_plugins.methods.specs import model_spec
 from fs_plugins.models.builders import load_base
 from fs_plugins.schema import option
 from fs_plugins.schema.options import Cfg, to_plain
-from fs_plugins.core.seeding import derive_seed
 from fs_plugins.tuners.mosaic.alignment import Pivot, align_to_pivot
 from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR, MosaicLinear
 from fs_plugins.tuners.mosaic.model import inject_mosaic

@@ -19,14 +19,20 @@ from statistics import mean
 
 import torch
 
-from fs_plugins.aggregation.activation import (activation_aware_average, activation_frequency,
-                                               frequency_summary)
+from fs_plugins.aggregation.activation import activation_aware_average, activation_frequency, frequency_summary
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
-from fs_plugins.tuners.flame import (ACTIVATION_READINGS, RESCALE_MODES, RESCALE_NAME,
-                                     RoutingTracker, install_rescaler, moe_blocks, set_static_scale)
+from fs_plugins.tuners.flame import (
+    ACTIVATION_READINGS,
+    RESCALE_MODES,
+    RESCALE_NAME,
+    RoutingTracker,
+    install_rescaler,
+    moe_blocks,
+    set_static_scale,
+)
 
 logger = logging.getLogger(__name__)
 

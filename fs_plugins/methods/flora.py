@@ -22,11 +22,10 @@ import torch
 
 from fs_plugins.aggregation.lora import flora_stack
 from fs_plugins.aggregation.pairs import is_lora_factor
-from fs_plugins.methods.base import load_tensors
-from fs_plugins.methods.merged_base import (MergesIntoBase, accumulate, fold_into_base,
-                                            layer_steps, split_content)
-from fs_plugins.methods.registry import register_method
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.methods.base import load_tensors
+from fs_plugins.methods.merged_base import MergesIntoBase, accumulate, fold_into_base, layer_steps, split_content
+from fs_plugins.methods.registry import register_method
 from fs_plugins.tuners.mole.model import lora_wrapped_modules
 
 MERGED = 'merged/'          # server -> client: cumulative Σ_t Σ_k p_k s_k B_k A_k of a layer

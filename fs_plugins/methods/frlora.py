@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from fs_plugins.aggregation.lora import frlora_step, principal_factors
 from fs_plugins.aggregation.pairs import is_lora_a
 from fs_plugins.methods.base import Phase, load_tensors
-from fs_plugins.methods.merged_base import (MergesIntoBase, accumulate, fold_into_base,
-                                            layer_steps, split_content)
+from fs_plugins.methods.merged_base import MergesIntoBase, accumulate, fold_into_base, layer_steps, split_content
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema.options import option
 from fs_plugins.tuners.mole.model import lora_wrapped_modules

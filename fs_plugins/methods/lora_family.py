@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 from fs_plugins.aggregation import weighted_average
-from fs_plugins.aggregation.pairs import (fit_rank, is_lora_factor, lora_pairs, lora_rank,
-                                          overlay_rank)
+from fs_plugins.aggregation.pairs import fit_rank, is_lora_factor, lora_pairs, lora_rank, overlay_rank
 from fs_plugins.methods.base import ClientUpdate, load_tensors, weights_of
 
 

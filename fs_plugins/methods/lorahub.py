@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fs_plugins.core.seeding import derive_seed
 from fs_plugins.methods.base import weights_of
 from fs_plugins.methods.linear_arithmetic import WEIGHTS_ATTR, MergedLibraryMethod
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
-from fs_plugins.core.seeding import derive_seed
 
 CANDIDATES_KEY = 'lorahub.candidates'   # server -> client: (P, N) weights to score
 WEIGHTS_KEY = 'lorahub.weights'         # server -> client: (N,) the best weights so far

@@ -30,14 +30,14 @@ import torch
 
 from fs_plugins.aggregation.distill import ensemble_logits, kd_divergence
 from fs_plugins.aggregation.signature import tensor_signature
+from fs_plugins.core.seeding import derive_seed
 from fs_plugins.data.public import public_records
-from fs_plugins.methods.building import build_model
-from fs_plugins.methods.specs import data_source, device_for
 from fs_plugins.methods.base import Phase, activate_adapters, load_tensors
+from fs_plugins.methods.building import build_model
 from fs_plugins.methods.ditto import GLOBAL, PERSONAL, Ditto, is_personal
 from fs_plugins.methods.registry import register_method
+from fs_plugins.methods.specs import data_source, device_for
 from fs_plugins.schema import option
-from fs_plugins.core.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -59,9 +59,6 @@ def configure(model: str = '', layers: int = 0) -> None:
     _settings.update(model=str(model or ''), layers=int(layers))
 
 
-def backbone_label() -> str:
-    """The configured backbone as logs name it (resolves it, which may probe the hub once)."""
-    return resolve_backbone(_settings['model'], _settings['layers']).label
 
 
 # ------------------------------------------------------------------------ backbone

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+
 from fs_plugins.metrics.vqa import check_lengths
 
 TEMPLATE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'templates', 'report_judge.txt')

@@ -17,8 +17,7 @@ import re
 import shutil
 from functools import lru_cache
 
-from fs_plugins.core.cache import cache_dir
-from fs_plugins.core.cache import ensure_cached_dir
+from fs_plugins.core.cache import cache_dir, ensure_cached_dir
 
 SYSTEM_WORDNET = '/usr/share/wordnet'
 LEXNAMES_MAN_PAGE = '/usr/share/man/man5/lexnames.5WN.gz'

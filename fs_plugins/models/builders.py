@@ -15,12 +15,11 @@ import torch
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.registry import ADAPTERS, MODEL_BUILDERS
 from fs_plugins.models.codecs import Codec, TextCodec
+from fs_plugins.models.olmoe import check_olmoe, ensure_tiny_olmoe, prepare_olmoe
 from fs_plugins.models.precision import DTYPES, quantization_kwargs
-from fs_plugins.schema.specs import ModelSpec
-from fs_plugins.models.tiny import ensure_tiny_llama, ensure_tiny_llama_large
 from fs_plugins.models.smollm2 import ensure_smollm2
-from fs_plugins.models.olmoe import ensure_tiny_olmoe, prepare_olmoe
-from fs_plugins.models.olmoe import check_olmoe, prepare_olmoe
+from fs_plugins.models.tiny import ensure_tiny_llama, ensure_tiny_llama_large
+from fs_plugins.schema.specs import ModelSpec
 
 logger = logging.getLogger(__name__)
 

@@ -23,16 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.models.builders import LoadedBase, from_pretrained, register_builder
-from fs_plugins.models.precision import DTYPES
 from fs_plugins.core.cache import ensure_cached_dir
-from fs_plugins.models.codecs import Codec, pad_examples
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.data.glue import GLUE_TASKS, task_of
-from fs_plugins.data.glue import tiny_corpus
+from fs_plugins.data.glue import GLUE_TASKS, label_id, task_of, tiny_corpus
+from fs_plugins.models.builders import LoadedBase, from_pretrained, register_builder
+from fs_plugins.models.codecs import Codec, pad_examples
+from fs_plugins.models.precision import DTYPES
 from fs_plugins.models.tiny import train_byte_bpe
-from fs_plugins.data.glue import label_id
 from fs_plugins.schema.specs import ModelSpec
 
 # module names of a sequence classifier's head (transformers: `classifier`, or `score` for

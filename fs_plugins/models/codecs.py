@@ -187,7 +187,7 @@ class EncodedDataset(torch.utils.data.Dataset):
         self.records = [r for r, _ in kept]
         self.examples = [e for _, e in kept]
 
-    def subset(self, keep) -> 'EncodedDataset':
+    def subset(self, keep) -> EncodedDataset:
         """The examples whose record satisfies keep(record), already encoded ones reused."""
         indices = [i for i, record in enumerate(self.records) if keep(record)]
         part = object.__new__(EncodedDataset)

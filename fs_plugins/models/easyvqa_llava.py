@@ -15,10 +15,10 @@ import logging
 import numpy as np
 import torch
 
-from fs_plugins.models.builders import LoadedBase, register_builder
 from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.core.seeding import derive_seed
 from fs_plugins.data.easyvqa import COLOURS, SHAPES
+from fs_plugins.models.builders import LoadedBase, register_builder
 from fs_plugins.models.smollm2 import ensure_smollm2
 from fs_plugins.models.vision_language import load_llava
 from fs_plugins.schema.specs import ModelSpec
@@ -120,8 +120,7 @@ def easyvqa_llava_config(text_config, image_token_id: int):
 
 
 def build_easyvqa_llava_dir(path: str, seed: int = 1234) -> None:
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlavaForConditionalGeneration,
-                              LlavaProcessor)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
     smol_dir = ensure_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
     tokenizer.add_special_tokens({'additional_special_tokens': ['<image>']})

@@ -73,12 +73,12 @@ import re
 import numpy as np
 import torch
 
-from fs_plugins.models.builders import LoadedBase, register_builder
 from fs_plugins.core.cache import ensure_cached_dir
-from fs_plugins.models.codecs import LLAVA15_PROMPT
-from fs_plugins.models.easyvqa_llava import easyvqa_llava_config, ensure_easyvqa_llava
 from fs_plugins.core.seeding import derive_seed
 from fs_plugins.data.easyvqa import easyvqa_records
+from fs_plugins.models.builders import LoadedBase, register_builder
+from fs_plugins.models.codecs import LLAVA15_PROMPT
+from fs_plugins.models.easyvqa_llava import easyvqa_llava_config, ensure_easyvqa_llava
 from fs_plugins.models.vision_language import load_llava
 from fs_plugins.schema.specs import ModelSpec
 

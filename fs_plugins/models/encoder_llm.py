@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from fs_plugins.data.instruction import IGNORE_INDEX
-from fs_plugins.data.multimodal import media_paths
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.registry import MODEL_BUILDERS
+from fs_plugins.core.seeding import derive_seed
+from fs_plugins.data.instruction import IGNORE_INDEX
+from fs_plugins.data.multimodal import media_paths
 from fs_plugins.models.builders import LoadedBase, TextCodec, register_builder
 from fs_plugins.models.codecs import TOKEN_KEYS, Codec, pad_examples
 from fs_plugins.models.encoders import load_encoder
-from fs_plugins.core.seeding import derive_seed
 from fs_plugins.schema.plugin import EncoderOptions, MultimodalOptions
 from fs_plugins.schema.specs import ModelSpec
 

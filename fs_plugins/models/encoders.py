@@ -18,21 +18,19 @@ and clips are padded to max_seconds, so short spoken questions cost a fraction o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.registry import ENCODER_BACKENDS
-from fs_plugins.models.builders import check_local_dir
-from fs_plugins.models.precision import DTYPES
 from fs_plugins.data.multimodal import open_images
 from fs_plugins.data.speech import read_wav
-from fs_plugins.models.builders import from_pretrained
+from fs_plugins.models.builders import check_local_dir, from_pretrained
 from fs_plugins.models.easyvqa_llava import easyvqa_image_processor, ensure_easyvqa_llava
-from fs_plugins.models.whisper_ct2 import short_clip_encoder
-from fs_plugins.models.whisper_ct2 import ensure_whisper_tiny_en
+from fs_plugins.models.precision import DTYPES
+from fs_plugins.models.whisper_ct2 import ensure_whisper_tiny_en, short_clip_encoder
 from fs_plugins.schema.specs import ModelSpec
 
 # whisper: 100 mel frames per second, halved by the second convolution
@@ -123,7 +121,8 @@ def load_easyvqa_clip(path, options, spec: ModelSpec) -> LoadedEncoder:
         vision = CLIPVisionConfig(**json.load(handle)['vision_config'])
     with safe_open(os.path.join(folder, 'model.safetensors'), 'pt') as weights:
         # saved as 'vision_tower.*' (transformers 5) or 'model.vision_tower.*'
-        state = {k.split('vision_tower.', 1)[1]: weights.get_tensor(k) for k in weights.keys()
+        state = {k.split('vision_tower.', 1)[1]: weights.get_tensor(k)
+                 for k in weights.keys()  # noqa: SIM118 -- safe_open handles are not iterable
                  if k.startswith(('vision_tower.', 'model.vision_tower.'))}
     model = CLIPVisionModel(vision)
     model.load_state_dict(state)

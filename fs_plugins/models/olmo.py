@@ -9,9 +9,8 @@ depth, heads and tokenizer, and an MLP as wide as the tiny OLMoE's 8 active expe
 """
 from __future__ import annotations
 
-
-from fs_plugins.models.builders import LoadedBase, load_causal_lm, register_builder
 from fs_plugins.core.cache import ensure_cached_dir
+from fs_plugins.models.builders import LoadedBase, load_causal_lm, register_builder
 from fs_plugins.models.olmoe import build_tiny_dir, random_causal_lm
 from fs_plugins.schema.specs import ModelSpec
 

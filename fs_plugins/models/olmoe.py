@@ -152,10 +152,9 @@ def fuse_expert_gate_up(model: torch.nn.Module) -> int:
 
 def prepare_olmoe(model: torch.nn.Module, target_parameters) -> torch.nn.Module:
     """What the OLMoE builders do after loading: split gate/up when the LoRA targets ask."""
-    if split_wanted(target_parameters):
-        if not split_expert_gate_up(model):
-            raise ValueError('fsplug.model.lora.target_parameters names experts.gate_proj / '
-                             'up_proj but the model has no fused gate_up_proj to split')
+    if split_wanted(target_parameters) and not split_expert_gate_up(model):
+        raise ValueError('fsplug.model.lora.target_parameters names experts.gate_proj / '
+                         'up_proj but the model has no fused gate_up_proj to split')
     return model
 
 

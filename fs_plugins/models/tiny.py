@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.data.builtin import tiny_tasks_records
 from fs_plugins.data.instruction import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
-from fs_plugins.core.cache import ensure_cached_dir
 
 TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,

@@ -9,10 +9,9 @@ import logging
 
 import torch
 
-from fs_plugins.models.builders import LoadedBase, from_pretrained, load_weights, register_builder
 from fs_plugins.core.cache import ensure_cached_dir
-from fs_plugins.models.codecs import (LLAVA15_PROMPT, LLAVA_IMAGE, QWEN2VL_IMAGE, QWEN2VL_PROMPT,
-                                      MultimodalCodec)
+from fs_plugins.models.builders import LoadedBase, from_pretrained, load_weights, register_builder
+from fs_plugins.models.codecs import LLAVA15_PROMPT, LLAVA_IMAGE, QWEN2VL_IMAGE, QWEN2VL_PROMPT, MultimodalCodec
 from fs_plugins.models.tiny import build_tokenizer
 from fs_plugins.schema.specs import ModelSpec
 
@@ -106,8 +105,14 @@ TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 
 
 def build_tiny_llava_dir(path: str, seed: int = 1234) -> None:
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({'additional_special_tokens': ['<image>']})
     text = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

@@ -42,12 +42,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fs_plugins.schema.options import to_plain
-from fs_plugins.run.config import model_path
 from fs_plugins.methods.base import load_tensors
-from fs_plugins.run.config import client_config, load_saved_config
-from fs_plugins.methods.registry import get_method_class
 from fs_plugins.methods.building import build_model
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.run.config import client_config, load_saved_config, model_path
+from fs_plugins.schema.options import to_plain
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ one file per party into `<results dir>/checkpoint/`:
 
 Each file is written beside its target and renamed into place; the server's file goes last
 and marks round t complete, and only then are the files of earlier rounds removed, so a crash
-at any point leaves the previous complete checkpoint. Tensors go in the safetensors body; everything else is a JSON skeleton in
-the file's metadata (no pickle: a checkpoint cannot run code when it is read). An object in a
-state that is neither data nor config must have `state_dict()` / `load_state_dict()`; it is
-restored in place, so references to it (e.g. `model.flame_routing`) stay valid.
+at any point leaves the previous complete checkpoint. Tensors go in the safetensors body;
+everything else is a JSON skeleton in the file's metadata (no pickle: a checkpoint cannot run
+code when it is read). An object in a state that is neither data nor config must have
+`state_dict()` / `load_state_dict()`; it is restored in place, so references to it (e.g.
+`model.flame_routing`) stay valid.
 
 `fsplug.checkpoint.resume_from: <results dir>` (CLI: `fs-plugins run --resume DIR`) rebuilds
 the run from its config, loads the checkpoint into it and continues from the next round,
@@ -38,8 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fs_plugins.core.errors import ConfigError
-from fs_plugins.run.config import Cfg
-from fs_plugins.run.config import to_plain
+from fs_plugins.run.config import Cfg, to_plain
 
 CHECKPOINT_DIR = 'checkpoint'
 FORMAT = 1
@@ -217,7 +217,9 @@ def _read(path: str, tensors: bool) -> tuple[dict, dict]:
     try:
         with safe_open(path, framework='pt') as handle:
             metadata = handle.metadata() or {}
-            return metadata, ({k: handle.get_tensor(k) for k in handle.keys()} if tensors else {})
+            # safe_open handles are not iterable: keys() is needed
+            return metadata, ({k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
+                              if tensors else {})
     except (OSError, ValueError) as exc:
         raise CheckpointError(f'checkpoint: {path} is not readable ({exc})') from None
 

@@ -12,18 +12,17 @@ import math
 
 import torch
 
+from fs_plugins.core.seeding import use_deterministic_algorithms
 from fs_plugins.data import stream
 from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
-from fs_plugins.methods.base import ClientUpdate, Method, Phase, activate_adapters
 from fs_plugins.data.multimodal import reference_answer
+from fs_plugins.methods.base import ClientUpdate, Method, Phase, activate_adapters
 from fs_plugins.metrics.generation_metrics import GENERATION_METRICS, configure_generation_metrics
-from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.models.builders import BuiltModel
-from fs_plugins.models.precision import DTYPES
-from fs_plugins.models.precision import forward_context, grad_scaler, place_model
-from fs_plugins.run.optim import build_optimizer, build_scheduler, schedule_window
-from fs_plugins.core.seeding import use_deterministic_algorithms
+from fs_plugins.models.codecs import EncodedDataset
+from fs_plugins.models.precision import DTYPES, forward_context, grad_scaler, place_model
 from fs_plugins.run.artifacts import client_dir, save_client_model
+from fs_plugins.run.optim import build_optimizer, build_scheduler, schedule_window
 
 logger = logging.getLogger(__name__)
 

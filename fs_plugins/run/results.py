@@ -9,12 +9,12 @@ import json
 import math
 import os
 from collections import defaultdict
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
-from fs_plugins.data.stream import last_and_auc
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.data.stream import last_and_auc
 
 SUMMARY_COLUMNS = ('samples', 'bytes_up', 'bytes_down')
 # accuracy columns that also get <name>_auc in the summary: the mean over all evaluations, the
@@ -47,13 +47,15 @@ class ResultsLog:
                                f"(results.jsonl); choose another directory, replace them with "
                                f"--overwrite (fsplug.overwrite True) or continue that run with "
                                f"--resume {out_dir} (fsplug.checkpoint.resume_from)"])
-        self._jsonl = open(self.jsonl_path, 'a' if resume_rows is not None else 'w', encoding='utf-8')
+        # kept open for the log's life: every row is appended and flushed as it comes
+        self._jsonl = open(self.jsonl_path, 'a' if resume_rows is not None else 'w',  # noqa: SIM115
+                           encoding='utf-8')
         with open(os.path.join(out_dir, 'run_info.json'), 'w', encoding='utf-8') as handle:
             json.dump(run_info, handle, indent=2, default=str)
         self.client_names: dict[int, str] = dict(run_info.get('client_names', {}))
         # the method's `client_groups(client_ids) -> {label: [client ids]}` (e.g. FLAME's
         # budget levels): the summary gets one row per group, the mean over its clients
-        self.client_groups: Optional[Callable[[list[int]], dict[str, list[int]]]] = None
+        self.client_groups: Callable[[list[int]], dict[str, list[int]]] | None = None
 
     def _resumed_rows(self, keep: int) -> list[dict]:
         """The rows up to a checkpoint; the interrupted run's later rows are moved (appended)

@@ -8,15 +8,15 @@ import numpy as np
 import torch
 
 from fs_plugins.aggregation.average import client_weights
-from fs_plugins.methods.base import ClientUpdate, Method
-from fs_plugins.run.results import ResultsLog, payload_bytes
-from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
 from fs_plugins.aggregation.signature import signature_of, tensor_signature
-from fs_plugins.run.validation import update_problem
+from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
+from fs_plugins.methods.base import ClientUpdate, Method
 from fs_plugins.methods.building import build_model
 from fs_plugins.models.builders import architecture_only
-from fs_plugins.run.config import to_plain
 from fs_plugins.run.artifacts import global_dir, save_global_state
+from fs_plugins.run.config import to_plain
+from fs_plugins.run.results import ResultsLog, payload_bytes
+from fs_plugins.run.validation import update_problem
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,14 @@ import shutil
 
 import torch
 
-from fs_plugins.run.artifacts import ArtifactError, load_trained_with_config
 from fs_plugins.data.instruction import load_records, read_record_file
 from fs_plugins.data.multimodal import is_multimodal, with_absolute_images
-from fs_plugins.models.codecs import EncodedDataset, MultimodalCodec
-from fs_plugins.methods.specs import device_for
-from fs_plugins.run.client import generate_answers
-from fs_plugins.run.client import generation_metrics, token_metrics
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.methods.specs import device_for
+from fs_plugins.models.codecs import EncodedDataset, MultimodalCodec
 from fs_plugins.models.olmoe import fuse_expert_gate_up
+from fs_plugins.run.artifacts import ArtifactError, load_trained_with_config
+from fs_plugins.run.client import generate_answers, generation_metrics, token_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -6,18 +6,22 @@ import logging
 
 from tqdm import tqdm
 
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.methods.building import build_model
+from fs_plugins.methods.registry import get_method_class
+from fs_plugins.methods.specs import device_for
 from fs_plugins.run.artifacts import save_models
-from fs_plugins.run.checkpoint import (latest_round, resume_federation, save_federation,
-                                   server_checkpoint_info, should_checkpoint)
+from fs_plugins.run.checkpoint import (
+    latest_round,
+    resume_federation,
+    save_federation,
+    server_checkpoint_info,
+    should_checkpoint,
+)
 from fs_plugins.run.client import EVAL_SPLITS, ClientProcedure
 from fs_plugins.run.config import client_config, client_overrides, resolve_derived
-from fs_plugins.run.runtime import build_federated_records
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.methods.registry import get_method_class
-from fs_plugins.methods.building import build_model
 from fs_plugins.run.results import ResultsLog
-from fs_plugins.methods.specs import device_for
-from fs_plugins.run.runtime import initial_global, predictions_path, results_dir, run_info
+from fs_plugins.run.runtime import build_federated_records, initial_global, predictions_path, results_dir, run_info
 from fs_plugins.run.server import ServerProcedure
 
 logger = logging.getLogger(__name__)

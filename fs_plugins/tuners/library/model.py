@@ -3,7 +3,7 @@ library adapter targets, and LoRA-Flow's per-decoder-layer gates."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

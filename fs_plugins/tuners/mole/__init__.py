@@ -8,7 +8,7 @@ next to peft's LoRA adapter, which stays the shared expert.
 """
 from fs_plugins.tuners.mole.config import MoleConfig
 from fs_plugins.tuners.mole.layer import RoutedLoraExperts, dense_reference
-from fs_plugins.tuners.mole.model import MOLE_ATTR, inject_mole, is_router, is_routed_expert
+from fs_plugins.tuners.mole.model import MOLE_ATTR, inject_mole, is_routed_expert, is_router
 
 __all__ = ['MoleConfig', 'RoutedLoraExperts', 'dense_reference', 'MOLE_ATTR', 'inject_mole',
            'is_router', 'is_routed_expert']

@@ -25,14 +25,19 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
-from fs_plugins.aggregation.mosaic import (AlignmentMoments, a_alignment_loss_from_moments,
-                                          align_a_from_moments, align_b, b_output_cca)
+from fs_plugins.aggregation.mosaic import (
+    AlignmentMoments,
+    a_alignment_loss_from_moments,
+    align_a_from_moments,
+    align_b,
+    b_output_cca,
+)
 from fs_plugins.core.cache import cache_dir
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
@@ -253,10 +258,10 @@ class Pivot:
     factors: dict
     codec: object
     build: Callable[[], object]           # -> BuiltModel of the pivot
-    built: Optional[object] = None
+    built: object | None = None
 
     @classmethod
-    def of(cls, built, build) -> 'Pivot':
+    def of(cls, built, build) -> Pivot:
         return cls(model_digest(built.model), lora_factors(built.model, built.model.fedmosaic_pq),
                    built.codec, build, built)
 
