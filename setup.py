@@ -2,7 +2,8 @@
 
 Besides the package, the wheel ships `fs_plugins_autoload.pth`: at interpreter start it installs
 a tiny import hook that registers the plugins the moment FederatedScope's config module is
-imported (see fs_plugins/fs/autoload.py). Set FSPLUG_NO_AUTOLOAD=1 to turn it off.
+imported (see fs_plugins/fs/autoload.py). FSPLUG_NO_AUTOLOAD=1 turns the
+registration off (docs/install.md says what remains).
 """
 from pathlib import Path
 

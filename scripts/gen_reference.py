@@ -104,6 +104,30 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--check', action='store_true', help='exit 1 if docs/reference.md is stale')
     args = parser.parse_args(argv)
+    return max(write_reference(args.check), write_method_index(args.check))
+
+
+def write_method_index(check: bool) -> int:
+    """fs_plugins/schema/method_index.py: the methods and their options, which the config
+    pre-check reads without importing torch (fs_plugins.schema.precheck)."""
+    from fs_plugins.methods.registry import all_methods
+    from fs_plugins.schema import precheck
+    methods = {name: cls for name, cls in all_methods().items() if cls.__module__.startswith('fs_plugins.')}
+    updated = precheck.render_index(methods)
+    with open(precheck.INDEX_PATH, encoding='utf-8') as handle:
+        current = handle.read()
+    if check:
+        if updated != current:
+            print(f'{os.path.relpath(precheck.INDEX_PATH, REPO)} is stale: run python scripts/gen_reference.py',
+                  file=sys.stderr)
+            return 1
+        return 0
+    with open(precheck.INDEX_PATH, 'w', encoding='utf-8') as handle:
+        handle.write(updated)
+    return 0
+
+
+def write_reference(check: bool) -> int:
     name = os.path.relpath(REFERENCE, REPO)
     with open(REFERENCE, encoding='utf-8') as handle:
         text = handle.read()
@@ -112,7 +136,7 @@ def main(argv=None) -> int:
         return 1
     start, end = text.index(BEGIN), text.index(END) + len(END)
     updated = text[:start] + render() + text[end:]
-    if args.check:
+    if check:
         if updated != text:
             print(f'{name} is stale: run python scripts/gen_reference.py', file=sys.stderr)
             return 1

@@ -4,12 +4,12 @@ import glob
 import os
 
 import pytest
+from helpers import REPO, tiny_config, write_yaml
 
-from fs_plugins.run.config import ConfigError, client_overrides, load_config, read_yaml
 from fs_plugins.methods.registry import all_methods
+from fs_plugins.run.config import ConfigError, client_overrides, load_config, read_yaml
 from fs_plugins.schema import PluginOptions, describe
 from fs_plugins.schema.fs_keys import FSKeys
-from helpers import REPO, tiny_config, write_yaml
 
 SHIPPED = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, 'yamls', '**', '*.yaml'),
                                                               recursive=True))
@@ -29,7 +29,9 @@ def _problems(tmp_path, opts, base='yamls/fedavg/tiny.yaml'):
 
 def client_file_base(path: str) -> tuple[str, list[str]]:
     """The base YAML (and overrides) named by a client file's '# base:' line."""
-    for line in open(os.path.join(REPO, path)):
+    with open(os.path.join(REPO, path), encoding='utf-8') as handle:
+        lines = handle.readlines()
+    for line in lines:
         if line.startswith('# base:'):
             words = line[len('# base:'):].split('(')[0].split()
             return words[0], words[1:]
@@ -61,7 +63,8 @@ def test_tiny_yaml_loads_with_typed_defaults(tmp_path):
 
 # the mutated YAMLs of the issue, and what each must say
 MUTATIONS = [
-    (['federate.total_round_nm', '3'], "Unknown config key 'federate.total_round_nm'. Did you mean 'federate.total_round_num'?"),
+    (['federate.total_round_nm', '3'],
+     "Unknown config key 'federate.total_round_nm'. Did you mean 'federate.total_round_num'?"),
     (['federate.client_num', '0'], 'federate.client_num = 0: must be >= 1'),
     (['federate.total_round_num', '-1'], 'federate.total_round_num = -1: must be >= 1'),
     (['fsplug.model.lora.r', 'eight'], "fsplug.model.lora.r = 'eight': expected int"),
@@ -78,7 +81,8 @@ MUTATIONS = [
     (['fsplug.eval.gen_metrics', "['cider']", 'fsplug.eval.generate', 'True'],
      "fsplug.eval.gen_metrics[0] = 'cider': not one of"),
     (['data.splitter', 'random'], "data.splitter = 'random': not one of"),
-    (['data.type', 'tiny_tasks@llm'], "data.type = 'tiny_tasks@llm': must be '<file.json|file.jsonl|builtin name>@fsplug'"),
+    (['data.type', 'tiny_tasks@llm'],
+     "data.type = 'tiny_tasks@llm': must be '<file.json|file.jsonl|builtin name>@fsplug'"),
     (['federate.share_local_model', 'True'], 'federate.share_local_model = True: must be False'),
     (['fsplug.method', 'fedavgg'], "fsplug.method = 'fedavgg': not one of"),
     (['fsplug.fedprox.mu', '-1'], 'fsplug.fedprox.mu = -1: must be >= 0'),
@@ -131,6 +135,18 @@ def test_unknown_method_lists_allowed(tmp_path):
     with pytest.raises(ConfigError) as err:
         _load(tmp_path, fsplug={'method': 'fedavgg'})
     assert "'fedavgg'" in str(err.value) and 'fedavg' in str(err.value) and 'standalone' in str(err.value)
+
+
+def test_a_misspelt_method_gets_the_closest_name(tmp_path):
+    """As a misspelt key does: fsplug.method's allowed values come from the registry."""
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, fsplug={'method': 'fedmol'})
+    problem = [p for p in err.value.problems if 'fsplug.method' in p]
+    assert len(problem) == 1 and "fsplug.method = 'fedmol': not one of: , ditto, " in problem[0]
+    assert problem[0].endswith(". Did you mean 'fedmole'?")
+    problems = _problems(tmp_path, ['fsplug.model.dtype', 'bfloat'])
+    assert problems == ["command line: fsplug.model.dtype = 'bfloat': not one of: float32, bfloat16, "
+                        "float16. Did you mean 'bfloat16'?"]
 
 
 def test_override_list_must_pair(tmp_path):

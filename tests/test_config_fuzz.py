@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from fs_plugins.commands.fuzz import is_client_config, mutations, run_mutation
+from fs_plugins.commands.fuzz import checks_before_and_after_imports, is_client_config, mutations, run_mutation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,3 +39,32 @@ def test_every_broken_variant_of_a_shipped_yaml_ends_in_a_clean_error(tmp_path, 
             failures.append(f'{mutation.kind} {mutation.key} = {mutation.value!r} '
                             f'(must name {mutation.culprit!r}):\n{printed[-1500:]}')
     assert not failures, '\n\n'.join(failures)
+
+
+def in_order_within(part: list[str], whole: list[str]) -> bool:
+    """Every line of `part` is a line of `whole`, in the same order."""
+    lines = iter(whole)
+    return all(any(line == other for other in lines) for line in part)
+
+
+@pytest.mark.parametrize('yaml_path', [p for p in shipped_yamls() if p.endswith(os.sep + 'tiny.yaml')])
+def test_the_precheck_reports_each_mistake_it_can_as_the_full_check_does(tmp_path, yaml_path,
+                                                                         monkeypatch):
+    """Before torch is imported (fs_plugins.schema.precheck): every problem it reports is one
+    the full load reports, in the same words and order (never a config the full load accepts);
+    it finds every unknown key, wrong type and value outside fixed choices or bounds; only
+    choices a registry owns, the methods' rules between keys and missing files wait for the
+    full check."""
+    monkeypatch.chdir(tmp_path)
+    plain = _read(os.path.join(REPO, yaml_path))
+    failures = []
+    for index, mutation in enumerate(mutations(plain, yaml_path)):
+        before, after = checks_before_and_after_imports(plain, mutation,
+                                                        str(tmp_path / f'variant_{index}.yaml'))
+        if not in_order_within(before, after):
+            failures.append(f'{mutation.key} = {mutation.value!r}: the pre-check says {before}, '
+                            f'the full check {after}')
+        elif not before and mutation.kind != 'missing file' and not mutation.registry:
+            failures.append(f'{mutation.key} = {mutation.value!r}: only the full check finds '
+                            f'{after}')
+    assert not failures, '\n'.join(failures)

@@ -14,7 +14,11 @@ authentication. `fs-plugins credentials --out DIR --clients N [--hosts H1,H2]` m
 certificates, keys and client tokens for it (see fs_plugins.commands.credentials).
 
 With FederatedScope importable (and --runner auto or fs) the YAML runs through FS's own
-main.py; otherwise through the embedded runner, which says so in its first log line."""
+main.py; otherwise through the embedded runner, which says so in its first log line.
+
+Every command that reads a YAML checks it before importing torch / transformers
+(`fs_plugins.schema.precheck`), so a mistake in it ends in about a second; what only the filled
+registries can tell is checked after the imports."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +28,11 @@ import os
 import runpy
 import sys
 
+from fs_plugins.commands.credentials import make_credentials, party_files
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.schema.loading import read_yaml
+from fs_plugins.schema.precheck import precheck
+
 logger = logging.getLogger('fs_plugins')
 
 
@@ -32,7 +41,7 @@ def fs_available() -> bool:
 
 
 def run_with_fs(cfg_path: str, client_cfg: str | None, opts: list[str]) -> None:
-    from fs_plugins.fs import autoload
+    from fs_plugins.fs import autoload  # lazy: the FS binding, only for runs through FederatedScope
     autoload.install(force=True)  # also when FSPLUG_NO_AUTOLOAD is set: this command asked for it
     import federatedscope
     main_py = os.path.join(os.path.dirname(federatedscope.__file__), 'main.py')
@@ -45,26 +54,40 @@ def run_with_fs(cfg_path: str, client_cfg: str | None, opts: list[str]) -> None:
         sys.argv = saved
 
 
+def check_before_imports(cfg_path: str, opts: list[str], client_cfg: str | None = None,
+                         fs: bool = False) -> None:
+    """Raises the ConfigError that loading the config would raise later, for every problem that
+    can be found without importing torch (all but the choices a registry owns and the methods'
+    rules between keys). fs: the YAML goes to FederatedScope, which reads --client_cfg itself."""
+    precheck(cfg_path, opts, fs=fs)
+    if client_cfg and not fs:
+        read_yaml(client_cfg)
+
+
 def run_embedded_cli(cfg_path: str, client_cfg: str | None, opts: list[str], reason: str) -> None:
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(name)s %(levelname)s: %(message)s')
     logger.info(f'fs-plugins: running with the embedded runner ({reason})')
-    from fs_plugins.run.config import load_config, read_yaml
-    from fs_plugins.sim.runner import run_embedded
+    from fs_plugins.run.config import load_config  # lazy: imports torch, after the pre-check
+    from fs_plugins.sim.runner import run_embedded  # lazy: imports torch, after the pre-check
     cfg = load_config(cfg_path, opts)
     run_embedded(cfg, read_yaml(client_cfg) if client_cfg else None)
 
 
 def list_methods(modules: list[str]) -> int:
-    from fs_plugins.run.config import import_extra_modules
-    from fs_plugins.methods.registry import all_methods
+    from fs_plugins.methods.registry import all_methods  # lazy: imports torch (the methods)
+    from fs_plugins.run.config import import_extra_modules  # lazy: imports torch
     import_extra_modules(modules)
     print('\n'.join(sorted(all_methods())))
     return 0
 
 
 def estimate(args) -> int:
-    from fs_plugins.run.config import ConfigError, load_config, read_yaml
-    from fs_plugins.commands.estimate import estimate_run, format_table
+    try:
+        check_before_imports(args.cfg, args.opts, args.client_cfg)
+    except ConfigError as exc:
+        return _config_error(exc)
+    from fs_plugins.commands.estimate import estimate_run, format_table  # lazy: imports torch, after the pre-check
+    from fs_plugins.run.config import load_config  # lazy: imports torch, after the pre-check
     logging.basicConfig(level=logging.WARNING)
     try:
         cfg = load_config(args.cfg, args.opts)
@@ -102,9 +125,9 @@ def _write_jsonl(rows, path: str | None) -> None:
 def use_trained(args) -> int:
     """predict / eval / export on a run's saved model; bad input ends in one line naming it."""
     import json
-    from fs_plugins.run import trained
-    from fs_plugins.run.artifacts import ArtifactError
-    from fs_plugins.run.config import ConfigError
+
+    from fs_plugins.run import trained  # lazy: imports torch
+    from fs_plugins.run.artifacts import ArtifactError  # lazy: imports torch
     logging.basicConfig(level=logging.WARNING)
     try:
         if args.command == 'predict':
@@ -182,7 +205,6 @@ def _credentials_parser(sub) -> None:
 
 
 def credentials(args) -> int:
-    from fs_plugins.commands.credentials import make_credentials, party_files
     hosts = [h.strip() for h in args.hosts.split(',') if h.strip()]
     folder = make_credentials(args.out, range(1, args.clients + 1), hosts, args.days)
     print(f'fs-plugins credentials: written to {folder} (certificates for {", ".join(hosts)})\n'
@@ -193,8 +215,6 @@ def credentials(args) -> int:
 
 
 def launch(args) -> int:
-    from fs_plugins.run.config import ConfigError
-    from fs_plugins.commands.launch import Address, LocalFederation, Security, launch_one
     if not fs_available():
         print('fs-plugins launch: FederatedScope is not importable (see README: Install)',
               file=sys.stderr)
@@ -204,6 +224,12 @@ def launch(args) -> int:
     if args.credentials and not args.secure:
         print('fs-plugins launch: --credentials needs --secure token|certificate', file=sys.stderr)
         return 2
+    try:
+        # launch loads the YAML as the embedded runner does before it writes the parties' files
+        check_before_imports(args.cfg, args.opts, args.client_cfg)
+    except ConfigError as exc:
+        return _config_error(exc)
+    from fs_plugins.commands.launch import Address, LocalFederation, Security, launch_one  # lazy: torch
     try:
         if args.role == 'local':
             federation = LocalFederation(args.cfg, args.client_cfg, args.opts, switches,
@@ -279,16 +305,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == 'credentials':
         return credentials(args)
 
-    from fs_plugins.run.config import ConfigError
-    from fs_plugins.run.checkpoint import CheckpointError
     args.opts = run_switches(args) + list(args.opts)
+    with_fs = args.runner != 'embedded' and fs_available()
+    if args.runner == 'fs' and not with_fs:
+        parser.error('--runner fs: FederatedScope is not importable (see README: Install)')
+    try:
+        check_before_imports(args.cfg, args.opts, args.client_cfg, fs=with_fs)
+    except ConfigError as exc:
+        return _config_error(exc)
+    from fs_plugins.run.checkpoint import CheckpointError  # lazy: imports torch, after the pre-check
     try:
         if args.runner == 'embedded':
             run_embedded_cli(args.cfg, args.client_cfg, args.opts, '--runner embedded')
-        elif fs_available():
+        elif with_fs:
             run_with_fs(args.cfg, args.client_cfg, args.opts)
-        elif args.runner == 'fs':
-            parser.error('--runner fs: FederatedScope is not importable (see README: Install)')
         else:
             run_embedded_cli(args.cfg, args.client_cfg, args.opts, 'FederatedScope not installed')
     except ConfigError as exc:

@@ -10,6 +10,8 @@ clean error (exit code 2, no traceback) that names the culprit. Kinds:
 - 'missing file': the data file, the checkpoint to resume from, a module to import.
 Options are drawn from the general `fsplug` keys, the YAML's method node and the FS keys the
 plugin reads, with a generator seeded by the YAML's path (the same variants every time).
+`checks_before_and_after_imports` compares, for one variant, what the pre-check before the
+heavy imports reports (`fs_plugins.schema.precheck`) with what the full load reports.
 """
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ import random
 import typing
 from dataclasses import dataclass, fields
 
-from fs_plugins.schema.options import (_hints, _is_section, _list_item, _optional_inner,
-                                       _resolve_choices, walk_options)
+from fs_plugins.commands.cli import main
+from fs_plugins.core.errors import ConfigError
+from fs_plugins.schema.fs_keys import FSKeys
+from fs_plugins.schema.options import _hints, _is_section, _list_item, _optional_inner, _resolve_choices, walk_options
+from fs_plugins.schema.plugin import PluginOptions
+from fs_plugins.schema.precheck import precheck
 
 MISSING_ROOT = '/nonexistent/fsplug-fuzz'
 
@@ -30,6 +36,9 @@ class Mutation:
     key: str          # dotted key that is set
     value: object
     culprit: str      # text the error message must contain
+    # the culprit is a value outside choices a registry owns: only the full check (after the
+    # imports that fill the registry) finds it
+    registry: bool = False
 
     def apply(self, plain: dict) -> dict:
         out = copy.deepcopy(plain)
@@ -49,9 +58,7 @@ def option_rows(cls, path: str) -> list[tuple[str, object, dict]]:
 
 
 def candidate_options(plain: dict) -> list[tuple[str, object, dict]]:
-    from fs_plugins.methods.registry import all_methods
-    from fs_plugins.schema.fs_keys import FSKeys
-    from fs_plugins.schema.plugin import PluginOptions
+    from fs_plugins.methods.registry import all_methods  # lazy: imports torch (the methods)
     rows = option_rows(PluginOptions, 'fsplug')
     method = (plain.get('fsplug') or {}).get('method')
     if method in all_methods():
@@ -127,7 +134,8 @@ def mutations(plain: dict, seed_text: str, per_kind: int = 3) -> list[Mutation]:
         out.append(Mutation('wrong type', key, wrong_type_value(tp), key))
     bounded = [(k, tp, m) for k, tp, m in rows if out_of_range_value(tp, m) is not None]
     for key, tp, meta in rng.sample(bounded, min(per_kind, len(bounded))):
-        out.append(Mutation('out of range', key, out_of_range_value(tp, meta), key))
+        out.append(Mutation('out of range', key, out_of_range_value(tp, meta), key,
+                            registry=callable(meta.get('choices'))))
     missing_data = f'{MISSING_ROOT}/records.jsonl'
     out.append(Mutation('missing file', 'data.type', f'{missing_data}@fsplug', missing_data))
     out.append(Mutation('missing file', 'fsplug.checkpoint.resume_from', f'{MISSING_ROOT}/run',
@@ -157,7 +165,6 @@ def run_mutation(plain: dict, mutation: Mutation, path: str) -> tuple[bool, str]
 
     import yaml
 
-    from fs_plugins.commands.cli import main
     with open(path, 'w', encoding='utf-8') as handle:
         yaml.safe_dump(mutation.apply(plain), handle)
     printed = io.StringIO()
@@ -169,3 +176,22 @@ def run_mutation(plain: dict, mutation: Mutation, path: str) -> tuple[bool, str]
         return False, printed.getvalue() + traceback.format_exc() + f'\n(escaped: {exc!r})'
     text = printed.getvalue()
     return code == 2 and mutation.culprit in text and 'Traceback' not in text, text
+
+
+def checks_before_and_after_imports(plain: dict, mutation: Mutation, path: str) -> tuple[list[str], list[str]]:
+    """Writes the mutated YAML to `path`; (the problems the pre-check reports, those the full
+    load reports), [] where a check passes it."""
+    import yaml
+
+    from fs_plugins.run.config import load_config  # lazy: importing it imports torch
+
+    with open(path, 'w', encoding='utf-8') as handle:
+        yaml.safe_dump(mutation.apply(plain), handle)
+    found = []
+    for check in (precheck, load_config):
+        try:
+            check(path)
+            found.append([])
+        except ConfigError as exc:
+            found.append(exc.problems)
+    return found[0], found[1]

@@ -8,7 +8,7 @@ so a loaded config always sees complete registries."""
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from fs_plugins.core.errors import ConfigError
 

@@ -5,12 +5,8 @@ Also the small helpers both runners use on a loaded config (`model_path`, `data_
 `client_config`). The schema itself lives in `fs_plugins.schema`."""
 from __future__ import annotations
 
-import ast
-import copy
 import importlib
-from typing import Mapping
-
-import yaml
+from collections.abc import Mapping
 
 # the packages that fill the registries the schema offers as allowed values
 import fs_plugins.data  # noqa: F401  (splitters)
@@ -18,65 +14,22 @@ import fs_plugins.metrics  # noqa: F401  (generation and reported metrics)
 import fs_plugins.models  # noqa: F401  (model builders, encoders, adapters)
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.schema.loading import (
+    check_layers,
+    checked,
+    config_layers,
+    decode_value,
+    layer_modules,
+    merge,
+    parse_opts,
+    read_yaml,
+)
 from fs_plugins.schema.options import Cfg, to_plain
 from fs_plugins.schema.validate import fs_defaults, fsplug_defaults, validate
 
 __all__ = ['Cfg', 'ConfigError', 'load_config', 'parse_opts', 'read_yaml', 'to_plain',
            'client_overrides', 'client_config', 'model_path', 'data_name', 'resolve_derived',
-           'import_extra_modules', 'merge', 'load_saved_config']
-
-
-def decode_value(value):
-    """A raw value as FS's yacs decodes it: strings that are Python literals become them
-    ('1e-3' -> 0.001, '8' -> 8, "['q_proj']" -> a list); anything else stays."""
-    if isinstance(value, Mapping):
-        return {k: decode_value(v) for k, v in value.items()}
-    if not isinstance(value, str):
-        return value
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return value
-
-
-def merge(base: dict, layer: Mapping) -> dict:
-    """`layer` merged into a copy of `base`, recursively; values decoded as FS decodes them."""
-    out = dict(base)
-    for key, value in layer.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = decode_value(copy.deepcopy(value))
-    return out
-
-
-def parse_opts(opts: list[str]) -> dict:
-    """FS-style command line overrides: ['a.b', 'v', 'c', 'w'] -> nested dict (raw values)."""
-    if len(opts) % 2:
-        raise ConfigError(f"Overrides come in 'key value' pairs; got an odd list: {opts}")
-    nested: dict = {}
-    for key, raw in zip(opts[0::2], opts[1::2]):
-        node = nested
-        parts = key.split('.')
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"Override '{key}' goes below a key given a value earlier")
-        node[parts[-1]] = raw
-    return nested
-
-
-def read_yaml(path: str) -> dict:
-    try:
-        with open(path, 'r', encoding='utf-8') as handle:
-            loaded = yaml.safe_load(handle) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"Config file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"Config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(loaded, Mapping):
-        raise ConfigError(f"Config file {path} must hold a mapping at top level")
-    return loaded
+           'import_extra_modules', 'merge', 'load_saved_config', 'checked', 'decode_value']
 
 
 def import_extra_modules(modules) -> None:
@@ -87,28 +40,15 @@ def import_extra_modules(modules) -> None:
             raise ConfigError(f"fsplug.import_modules: cannot import '{name}': {exc}") from exc
 
 
-def checked(merged: dict, source: str) -> dict:
-    """The validated, normalised config; raises ConfigError with every problem."""
-    normalised, problems = validate(merged)
-    if problems:
-        raise ConfigError([f'{source}: {p}' for p in problems] if source else problems)
-    return normalised
-
-
 def load_config(path: str | None = None, opts: list[str] | None = None,
                 overrides: Mapping | None = None) -> Cfg:
     """Loads a YAML the way FS would (defaults <- file <- overrides <- command line), checking
-    the config after each layer as FS does after each merge."""
-    layers = [(read_yaml(path), path)] if path else []
-    layers += [(overrides, 'overrides')] if overrides else []
-    layers += [(parse_opts(opts), 'command line')] if opts else []
+    the config after each layer as FS does after each merge (`fs_plugins.schema.loading`; the
+    CLI runs the same merges and checks before the heavy imports: `fs_plugins.schema.precheck`)."""
+    layers = config_layers(path, opts, overrides)
     for layer, _ in layers:  # first: they may register methods the schema must know
-        import_extra_modules(layer.get('fsplug', {}).get('import_modules', []))
-    merged = {**fs_defaults(), 'fsplug': fsplug_defaults()}
-    if not layers:
-        merged = checked(merged, '')
-    for layer, source in layers:
-        merged = checked(merge(merged, layer), source)
+        import_extra_modules(layer_modules(layer))
+    merged = check_layers(layers, {**fs_defaults(), 'fsplug': fsplug_defaults()})
     cfg = Cfg.wrap(merged)
     resolve_derived(cfg)
     return cfg

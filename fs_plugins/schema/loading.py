@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 import copy
-from typing import Mapping
+from collections.abc import Mapping
 
 import yaml
 
@@ -60,7 +60,7 @@ def parse_opts(opts: list[str]) -> dict:
 
 def read_yaml(path: str) -> dict:
     try:
-        with open(path, 'r', encoding='utf-8') as handle:
+        with open(path, encoding='utf-8') as handle:
             loaded = yaml.safe_load(handle) or {}
     except FileNotFoundError:
         raise ConfigError(f"Config file not found: {path}") from None

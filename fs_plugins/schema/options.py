@@ -13,8 +13,9 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 # bookkeeping entries FS's CfgNode keeps inside every node
 FS_AUX_KEYS = frozenset({'__cfg_check_funcs__', '__help_info__', 'is_ready_for_run'})

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fs_plugins.core.registry import (ADAPTERS, ENCODER_BACKENDS, GENERATION_METRICS, METHODS,
-                                      MODEL_BUILDERS)
+from fs_plugins.core.registry import ADAPTERS, ENCODER_BACKENDS, GENERATION_METRICS, METHODS, MODEL_BUILDERS
 from fs_plugins.schema.options import option, section
 
 # YAML format shared by both runners

@@ -8,15 +8,13 @@ The pre-check before torch is imported (`fs_plugins.schema.precheck`) runs the s
 the methods it knows from a generated index instead of the registry (`KnownMethods`)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping
 
 from fs_plugins.core.registry import METHODS
 from fs_plugins.schema.fs_keys import FSKeys
-from fs_plugins.schema.options import (FS_AUX_KEYS, check_section, check_value, defaults_of,
-                                       unknown_key_message)
-from fs_plugins.schema.plugin import (DATA_TYPE_SUFFIX, MODEL_TYPE_SUFFIX, PLUGIN_NAME,
-                                      PluginOptions)
+from fs_plugins.schema.options import FS_AUX_KEYS, check_section, check_value, defaults_of, unknown_key_message
+from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX, MODEL_TYPE_SUFFIX, PLUGIN_NAME, PluginOptions
 
 # marks a node of FS's key tree that accepts any key (a CfgNode with new_allowed)
 OPEN_NODE = '__open__'
@@ -108,10 +106,10 @@ def validate(cfg: Mapping, fs_known: Mapping | None = None,
     only the FS keys the plugin reads are type-checked); None in the embedded runner, which
     accepts only the FS keys it reads (`FSKeys`). known: the methods to check against (default:
     the registered ones; the pre-check passes those of its index)."""
-    known = known or registered_methods()
     plug = cfg.get('fsplug', {})
     if fs_known is not None and not plug.get('method'):
         return dict(cfg), []     # the plugin is off: FederatedScope checks its own keys
+    known = known or registered_methods()
     fs_part = {k: v for k, v in cfg.items() if k != 'fsplug'}
     problems = unknown_keys(fs_part, fs_known) if fs_known is not None else []
     normalised, found = check_section(FSKeys, fs_part, strict=fs_known is None,

@@ -1,0 +1,158 @@
+"""GENERATED from the method registry by fs_plugins.schema.precheck.render_index: do not edit.
+
+Every registered method's name and the options of its `fsplug.<name>` node (annotation,
+default, bounds and fixed choices), so that the config pre-check knows them without importing
+the methods (which import torch). tests/test_precheck.py fails when this is stale; regenerate
+with `python tests/test_precheck.py --write-index`."""
+
+METHODS = {
+    'ditto': {
+        'lam': ('float', 1.0, {'ge': 0}),
+    },
+    'dofit': {
+        'domains': ('list[int]', [], {}),
+        'top_k': ('int', 15, {'ge': 1}),
+        'init': ('str', 'proximal', {'choices': ['proximal', 'assign']}),
+        'perturbation_scale': ('float', 1.0, {'ge': 0}),
+        'granularity': ('str', 'tensor', {'choices': ['tensor', 'module']}),
+    },
+    'fed_a2': {
+        'ridge': ('Optional[float]', 1.0, {'ge': 0}),
+        'vera_ridge': ('Optional[float]', None, {'ge': 0}),
+        'fedavg_rounds': ('int', 0, {'ge': 0}),
+    },
+    'fedadagrad': {
+        'server_lr': ('float', 0.01, {'gt': 0}),
+        'beta1': ('float', 0.9, {'ge': 0, 'lt': 1}),
+        'beta2': ('float', 0.99, {'ge': 0, 'lt': 1}),
+        'tau': ('float', 0.001, {'gt': 0}),
+    },
+    'fedadam': {
+        'server_lr': ('float', 0.01, {'gt': 0}),
+        'beta1': ('float', 0.9, {'ge': 0, 'lt': 1}),
+        'beta2': ('float', 0.99, {'ge': 0, 'lt': 1}),
+        'tau': ('float', 0.001, {'gt': 0}),
+    },
+    'fedavg': {},
+    'feddat': {
+        'kd_weight': ('float', 0.5, {'ge': 0, 'le': 1}),
+        'kd_temperature': ('float', 3.0, {'gt': 0}),
+    },
+    'feddpa': {
+        'global_fraction': ('float', 0.5, {'ge': 0, 'le': 1}),
+    },
+    'fedex': {},
+    'fedlease': {
+        'warmup_rounds': ('int', 5, {'ge': 1}),
+        'max_experts': ('int', 8, {'ge': 2}),
+        'router_aggregation': ('str', 'cluster', {'choices': ['cluster', 'local']}),
+    },
+    'fedmole': {
+        'target_modules': ('list[str]', ['up_proj'], {'min_items': 1}),
+        'num_experts': ('int', 8, {'ge': 1}),
+        'top_k': ('int', 2, {'ge': 1}),
+        'router_init_std': ('float', 0.02, {'ge': 0}),
+        'alternating': ('bool', True, {}),
+        'phase_steps': ('str', 'each', {'choices': ['each', 'split']}),
+        'routed_fraction': ('float', 0.5, {'ge': 0, 'le': 1}),
+        'aggregate': ('str', 'shared', {'choices': ['shared', 'all', 'none', 'shared_router']}),
+    },
+    'fedmosaic': {
+        'num_blocks': ('int', 4, {'ge': 1}),
+        'placement': ('str', 'equation', {'choices': ['equation', 'algorithm']}),
+        'q_init_std': ('float', 0.0, {'ge': 0}),
+        'gradient_every': ('int', 10, {'ge': 1}),
+        'ema_ratio': ('float', 0.5, {'ge': 0, 'le': 1}),
+        'noise_std': ('float', 0.0001, {'ge': 0}),
+        'gradient_keep': ('float', 0.4, {'gt': 0, 'le': 1}),
+        'temperature': ('float', 0.5, {'gt': 0}),
+        'include_self': ('bool', True, {}),
+        'pivot_builder': ('str', '', {}),
+        'pivot_model_type': ('str', '', {}),
+        'pq_lr': ('float', 0.0, {'ge': 0}),
+        'alignment': ('str', 'compute', {'choices': ['compute', 'require']}),
+        'alignment_dir': ('str', '', {}),
+        'alignment_data': ('str', '', {}),
+        'alignment_samples': ('int', 64, {'ge': 2}),
+        'alignment_reg': ('float', 0.5, {'ge': 0}),
+        'alignment_steps': ('int', 200, {'ge': 0}),
+        'alignment_lr': ('float', 0.01, {'gt': 0}),
+    },
+    'fedprox': {
+        'mu': ('float', 0.01, {'ge': 0}),
+    },
+    'fedsa': {},
+    'fedsim': {},
+    'fedyogi': {
+        'server_lr': ('float', 0.01, {'gt': 0}),
+        'beta1': ('float', 0.9, {'ge': 0, 'lt': 1}),
+        'beta2': ('float', 0.99, {'ge': 0, 'lt': 1}),
+        'tau': ('float', 0.001, {'gt': 0}),
+    },
+    'ffa': {},
+    'flame': {
+        'activation': ('str', 'token', {'choices': ['token', 'step']}),
+        'temperature': ('float', 2.0, {'ge': 0}),
+        'rescale': ('str', 'learnable', {'choices': ['learnable', 'static', 'none']}),
+        'rescaler_per': ('str', 'layer', {'choices': ['layer', 'client']}),
+        'top_k': ('int', 0, {'ge': 0}),
+        'budget_levels': ('list[int]', [8, 4, 2, 1], {'ge': 1, 'min_items': 1}),
+    },
+    'flexlora': {},
+    'flexlora_experts': {},
+    'flora': {},
+    'frlora': {
+        'exact_product': ('bool', False, {}),
+        'freeze_a': ('bool', False, {}),
+    },
+    'hetlora': {
+        'sparsity_weighted': ('bool', True, {}),
+    },
+    'hetlora_experts': {
+        'sparsity_weighted': ('bool', True, {}),
+    },
+    'linear_arithmetic': {
+        'init_weight': ('float', 1.0, {}),
+    },
+    'lora_flow': {},
+    'lorahub': {
+        'population': ('int', 8, {'ge': 2}),
+        'elite': ('int', 2, {'ge': 1}),
+        'init_sigma': ('float', 0.5, {'gt': 0}),
+        'min_sigma': ('float', 0.05, {'ge': 0}),
+        'l1': ('float', 0.05, {'ge': 0}),
+        'bound': ('float', 1.5, {'gt': 0}),
+    },
+    'mole': {
+        'temperature': ('float', 1.0, {'gt': 0}),
+    },
+    'perada': {
+        'lam': ('float', 0.05, {'ge': 0}),
+        'kd_rounds': ('int', 30, {'ge': 0}),
+        'kd_steps': ('int', 500, {'ge': 1}),
+        'kd_batch_size': ('int', 8, {'ge': 1}),
+        'kd_lr': ('float', 0.001, {'gt': 0}),
+        'kd_temperature': ('float', 1.0, {'gt': 0}),
+        'public_data': ('str', '', {}),
+        'public_samples': ('int', 256, {'ge': 2}),
+    },
+    'scaffold': {},
+    'smartfed': {
+        'budget': ('int', 8, {'ge': 1}),
+        'quota_cap': ('int', 0, {'ge': 0}),
+        'eeqa': ('bool', True, {}),
+        'warmup_rounds': ('int', 1, {'ge': 1}),
+        'importance': ('str', 'taylor', {'choices': ['taylor', 'output_norm']}),
+        'gate_scale': ('str', 'quota', {'choices': ['quota', 'one']}),
+        'router_input': ('str', 'hidden', {'choices': ['hidden', 'experts']}),
+        'router_init_std': ('float', 0.02, {'ge': 0}),
+    },
+    'standalone': {},
+    'uniflow': {
+        'aggregation': ('str', 'fed_a2', {'choices': ['fed_a2', 'fedavg', 'ffa', 'fedsa', 'fedex']}),
+        'schedule': ('str', 'two_stage', {'choices': ['two_stage', 'reverse', 'round', 'simultaneous']}),
+        'tau': ('float', 0.25, {'ge': 0, 'le': 1}),
+        'switch_round': ('float', 0.5, {'ge': 0, 'le': 1}),
+        'projector_stage': ('str', 'encoder', {'choices': ['encoder', 'llm', 'both']}),
+    },
+}
