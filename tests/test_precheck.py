@@ -48,6 +48,16 @@ def shipped_methods() -> dict:
     return {name: cls for name, cls in all_methods().items() if cls.__module__.startswith('fs_plugins.')}
 
 
+def full_check_problems(*args) -> list[str]:
+    """The full check's problems as a fresh process sees them: without the test-only methods
+    that other test modules registered in this one (the pre-check reads the shipped index)."""
+    test_only = sorted(set(all_methods()) - set(shipped_methods()))
+    lines = problems_of(load_config, *args)
+    for name in test_only:
+        lines = [line.replace(f', {name},', ',').replace(f', {name}.', '.') for line in lines]
+    return lines
+
+
 def test_the_method_index_is_generated_from_the_registry():
     with open(pre.INDEX_PATH, encoding='utf-8') as handle:
         assert handle.read() == pre.render_index(shipped_methods()), \
@@ -96,7 +106,7 @@ def test_every_shipped_yaml_passes(path):
 def test_a_misspelt_method_and_key_fail_with_the_full_checks_words(tmp_path):
     path = typo_yaml(tmp_path)
     before = problems_of(pre.precheck, path)
-    assert before == problems_of(load_config, path)
+    assert before == full_check_problems(path)
     assert "Did you mean 'federate.total_round_num'?" in before[0]
     assert before[1].startswith(f"{path}: fsplug.method = 'fedmol': not one of: , ditto, ")
     assert before[1].endswith(". Did you mean 'fedmole'?")
@@ -111,7 +121,7 @@ REGISTRY_KEYS = ('fsplug.model.adapter', 'fsplug.eval.gen_metrics', 'data.splitt
 @pytest.mark.parametrize('opts,expected', MUTATIONS, ids=[m[0][0] + '=' + m[0][1] for m in MUTATIONS])
 def test_the_mistakes_of_test_config(opts, expected):
     base = os.path.join(REPO, 'yamls', 'fedavg', 'tiny.yaml')
-    before, after = problems_of(pre.precheck, base, opts), problems_of(load_config, base, opts)
+    before, after = problems_of(pre.precheck, base, opts), full_check_problems(base, opts)
     if opts[0] in REGISTRY_KEYS:
         assert before == []
     else:

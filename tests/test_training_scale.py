@@ -11,6 +11,7 @@ from helpers import run_embedded_keeping_clients, tiny_yaml_of
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import all_methods, get_method_class
+from fs_plugins.methods.specs import model_spec
 from fs_plugins.models import precision
 from fs_plugins.run.client import micro_batch_weights
 from fs_plugins.run.config import load_config
@@ -143,7 +144,7 @@ def test_quantization_is_refused_by_methods_that_edit_frozen_weights(tmp_path):
     for name in editing:
         cfg = quantization_cfg(tmp_path, name)
         with pytest.raises(ConfigError, match=f"method '{name}' edits the frozen base"):
-            precision.check_quantization(cfg, get_method_class(name)(cfg))
+            precision.check_quantization(model_spec(cfg), get_method_class(name)(cfg))
 
 
 def test_quantization_needs_cuda_and_a_from_pretrained_builder(tmp_path):
@@ -152,7 +153,7 @@ def test_quantization_needs_cuda_and_a_from_pretrained_builder(tmp_path):
         build_model(cfg, get_method_class('fedavg')(cfg))
     cfg = quantization_cfg(tmp_path, 'fedavg', '8bit', 'fsplug.model.builder', 'easyvqa_llava')
     with pytest.raises(ConfigError, match="builder 'easyvqa_llava' does not load"):
-        precision.check_quantization(cfg, get_method_class('fedavg')(cfg))
+        precision.check_quantization(model_spec(cfg), get_method_class('fedavg')(cfg))
 
 
 def test_quantization_needs_bitsandbytes(tmp_path, monkeypatch):
@@ -160,16 +161,16 @@ def test_quantization_needs_bitsandbytes(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(precision.importlib.util, 'find_spec', lambda name: None)
     with pytest.raises(ConfigError, match='pip install bitsandbytes'):
-        precision.check_quantization(cfg, get_method_class('fedavg')(cfg))
+        precision.check_quantization(model_spec(cfg), get_method_class('fedavg')(cfg))
 
 
 def test_quantization_config_of_each_mode(tmp_path):
-    assert precision.quantization_kwargs(quantization_cfg(tmp_path, 'fedavg', 'none')) == {}
-    four = precision.quantization_kwargs(quantization_cfg(
-        tmp_path, 'fedavg', '4bit', 'fsplug.model.dtype', 'bfloat16', 'device', '1'))
+    assert precision.quantization_kwargs(model_spec(quantization_cfg(tmp_path, 'fedavg', 'none'))) == {}
+    four = precision.quantization_kwargs(model_spec(quantization_cfg(
+        tmp_path, 'fedavg', '4bit', 'fsplug.model.dtype', 'bfloat16', 'device', '1')))
     config = four['quantization_config']
     assert config.load_in_4bit and config.bnb_4bit_quant_type == 'nf4'
     assert config.bnb_4bit_use_double_quant and config.bnb_4bit_compute_dtype == torch.bfloat16
     assert four['device_map'] == {'': 1}
     assert precision.quantization_kwargs(
-        quantization_cfg(tmp_path, 'fedavg', '8bit'))['quantization_config'].load_in_8bit
+        model_spec(quantization_cfg(tmp_path, 'fedavg', '8bit')))['quantization_config'].load_in_8bit
