@@ -1,6 +1,14 @@
 """Errors shared by every layer (a leaf module: it imports nothing of the package)."""
 from __future__ import annotations
 
+import difflib
+
+
+def closest_spelling(value: str, candidates) -> str | None:
+    """The candidate closest to a mistyped `value` (difflib ratio >= 0.6), for "did you mean"."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in candidates if str(c)], n=1, cutoff=0.6)
+    return close[0] if close else None
+
 
 class ConfigError(ValueError):
     """One or more configuration problems, one line each, every line naming its key (or file,

@@ -7,10 +7,9 @@ every module of my package"). The config loader (`fs_plugins.run.config`) import
 so a loaded config always sees complete registries."""
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterator
 
-from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.errors import ConfigError, closest_spelling
 
 
 class Registry:
@@ -57,8 +56,8 @@ class Registry:
     def get(self, name: str):
         entries = self._complete()
         if name not in entries:
-            close = difflib.get_close_matches(str(name), list(entries), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ''
+            close = closest_spelling(name, entries)
+            hint = f" (did you mean '{close}'?)" if close else ''
             raise ConfigError(f"{self.key} = '{name}' is not a known {self.kind}{hint}; "
                               f"allowed: {', '.join(sorted(entries))}")
         return entries[name]

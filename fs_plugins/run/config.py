@@ -25,6 +25,7 @@ from fs_plugins.schema.loading import (
     read_yaml,
 )
 from fs_plugins.schema.options import Cfg, to_plain
+from fs_plugins.schema.specs import location_of
 from fs_plugins.schema.validate import fs_defaults, fsplug_defaults, validate
 
 __all__ = ['Cfg', 'ConfigError', 'load_config', 'parse_opts', 'read_yaml', 'to_plain',
@@ -123,8 +124,9 @@ def client_config(cfg, override: Mapping | None) -> Cfg:
 
 def model_path(cfg) -> str:
     """The model location part of `model.type` ('<path>@fsplug_llm')."""
-    return str(cfg.model.type).rsplit('@', 1)[0]
+    return location_of(cfg.model.type)
 
 
 def data_name(cfg) -> str:
-    return str(cfg.data.type).rsplit('@', 1)[0]
+    """The data location part of `data.type` ('<file or builtin>@fsplug')."""
+    return location_of(cfg.data.type)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, field, fields
 from typing import Any
+
+from fs_plugins.core.errors import closest_spelling
 
 # bookkeeping entries FS's CfgNode keeps inside every node
 FS_AUX_KEYS = frozenset({'__cfg_check_funcs__', '__help_info__', 'is_ready_for_run'})
@@ -136,8 +137,8 @@ def _coerce(value, tp):
 def unknown_key_message(path: str, key: str, allowed) -> str:
     allowed = sorted(str(a) for a in allowed)
     full = f'{path}.{key}' if path else str(key)
-    close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
-    hint = f" Did you mean '{(path + '.') if path else ''}{close[0]}'?" if close else ''
+    close = closest_spelling(key, allowed)
+    hint = f" Did you mean '{(path + '.') if path else ''}{close}'?" if close else ''
     listing = (f" Allowed keys under '{path or '<root>'}': {', '.join(allowed)}"
                if len(allowed) <= 25 else '')
     return f"Unknown config key '{full}'.{hint}{listing}"
@@ -164,9 +165,8 @@ def _bounds_problem(value, meta) -> str | None:
 def choice_message(key: str, value, choices) -> str:
     """'<key> = <value>: not one of: <choices>', with the closest spelling suggested."""
     message = f"{key} = {value!r}: not one of: {', '.join(map(str, choices))}"
-    close = difflib.get_close_matches(value, [str(c) for c in choices if str(c)], n=1,
-                                      cutoff=0.6) if isinstance(value, str) and value else []
-    return message + (f". Did you mean '{close[0]}'?" if close else '')
+    close = closest_spelling(value, choices) if isinstance(value, str) and value else None
+    return message + (f". Did you mean '{close}'?" if close else '')
 
 
 def check_value(key: str, value, tp, meta: Mapping, registries: bool = True) -> list[str]:
