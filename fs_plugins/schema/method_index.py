@@ -3,7 +3,7 @@
 Every registered method's name and the options of its `fsplug.<name>` node (annotation,
 default, bounds and fixed choices), so that the config pre-check knows them without importing
 the methods (which import torch). tests/test_precheck.py fails when this is stale; regenerate
-with `python tests/test_precheck.py --write-index`."""
+with `python scripts/gen_reference.py`."""
 
 METHODS = {
     'ditto': {

@@ -8,8 +8,8 @@ with two differences:
   the full check after the imports: filling a registry imports the packages that own it;
 - the registered methods, and the options of each one's `fsplug.<name>` node, come from
   `fs_plugins.schema.method_index`, a module generated from the method registry by
-  `render_index` (never edited by hand; tests/test_precheck.py fails when it is stale and
-  rewrites it with `python tests/test_precheck.py --write-index`).
+  `render_index` (never edited by hand; tests/test_precheck.py fails when it is stale;
+  `python scripts/gen_reference.py` rewrites it).
 A config naming `fsplug.import_modules` may register more methods: their names and nodes then
 pass to the full check. Before it refuses a config, the pre-check makes sure the index is not
 stale: the method names and option keys that the source of fs_plugins/methods declares (parsed
@@ -242,4 +242,4 @@ INDEX_DOC = '''GENERATED from the method registry by fs_plugins.schema.precheck.
 Every registered method's name and the options of its `fsplug.<name>` node (annotation,
 default, bounds and fixed choices), so that the config pre-check knows them without importing
 the methods (which import torch). tests/test_precheck.py fails when this is stale; regenerate
-with `python tests/test_precheck.py --write-index`.'''
+with `python scripts/gen_reference.py`.'''
