@@ -1,21 +1,33 @@
-"""FedMosaic as a method (issue 11): the tiny heterogeneous federation (2-layer pivot + 4-layer
-model), alignment (orthonormal, lower objective, cached by both models and r), RELA (the
-output-layer gradient equals autograd's; mask, noise, EMA; per-client G_i from the formula),
-what leaves the client, and bad input that fails before round 1 naming the culprit."""
+"""FedMosaic as a method (issues 11, 38): the tiny heterogeneous federation (2-layer pivot +
+4-layer model), alignment (orthonormal, lower objective, the paper's one-epoch batch-4 cosine
+schedule, cached by both models, r and the schedule), RELA (the last down_proj's and the
+output layer's gradients equal autograd's; mask, noise, EMA in both orders; per-client G_i from
+the formula), the ablations without RELA / PQ-LoRA, what leaves the client, and bad input that
+fails before round 1 naming the culprit."""
+import math
 import os
+from fnmatch import fnmatch
 
 import pytest
 import torch
 from helpers import REPO, run_embedded_keeping_clients
 
-from fs_plugins.aggregation.mosaic import rela_weights
+from fs_plugins.aggregation.mosaic import cosine_learning_rate, ema_update, rela_weights, shared_mask
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.building import build_model
-from fs_plugins.methods.fedmosaic import ARCH_KEY, GRAD_KEY, PQ_PREFIX, FedMosaic, model_type_id
+from fs_plugins.methods.fedmosaic import (
+    ARCH_KEY,
+    GATE_NAMES,
+    GRAD_KEY,
+    PIVOT_KEY,
+    PQ_PREFIX,
+    FedMosaic,
+    model_type_id,
+)
 from fs_plugins.methods.specs import model_spec
 from fs_plugins.models.builders import load_base
 from fs_plugins.run.config import ConfigError, client_config, client_overrides, load_config, read_yaml
-from fs_plugins.tuners.mosaic.rela import RelaGradients, output_layer_gradient
+from fs_plugins.tuners.mosaic.rela import RelaGradients, last_down_proj, output_layer_gradient, rela_gradient
 
 TINY = os.path.join(REPO, 'yamls', 'fedmosaic', 'tiny.yaml')
 CLIENTS = os.path.join(REPO, 'yamls', 'fedmosaic', 'tiny_clients.yaml')
@@ -57,19 +69,24 @@ def test_only_p_q_gates_and_conventional_lora_train_and_what_is_sent(tmp_path):
     for name in built.trainable_names:
         module = name.split('.lora_')[0].split('.mosaic.')[0]
         if module in pq_modules:
-            assert name.rsplit('.', 1)[-1] in ('P', 'Q', 'beta'), name
+            assert name.rsplit('.', 1)[-1] in ('P', 'Q'), name
+    # one gate per decoder layer carrying LoRA (the 4-layer model: all 4)
+    gates = [n for n in built.trainable_names if n.endswith(GATE_NAMES)]
+    assert sorted(gates) == [f'base_model.model.model.layers.{i}.mosaic_gate.beta' for i in range(4)]
     shared = method.shared_tensors(built.model, built.trainable_names)
     assert not any(name.endswith('.beta') for name in shared)        # the gate stays local
+    assert all(any(fnmatch(g, p) for p in method.contract.stays_local) for g in gates)
     pq = sorted(n for n in shared if n.startswith(PQ_PREFIX))
     assert pq == sorted(f'{PQ_PREFIX}block1.{m}/{leaf}' for m in
                         ('self_attn.q_proj', 'self_attn.v_proj', 'mlp.up_proj', 'mlp.down_proj')
                         for leaf in ('P', 'Q'))
+    assert all(fnmatch(n, method.contract.uploads[0]) for n in pq)
     # layers 1-3 of the 4-layer model carry conventional LoRA under peft's names
     assert {n.split('.layers.')[1].split('.')[0] for n in shared if '.lora_' in n} == {'0', '1', '2'}
 
 
 def test_alignment_is_orthonormal_lowers_the_objective_and_is_cached(tmp_path, caplog):
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, 'fsplug.fedmosaic.alignment_schedule', 'full_batch')
     caplog.set_level('INFO', logger='fs_plugins.tuners.mosaic.alignment')
     built, _, _ = _built(cfg, LARGE)
     files = os.listdir(tmp_path / 'align')
@@ -90,7 +107,8 @@ def test_alignment_is_orthonormal_lowers_the_objective_and_is_cached(tmp_path, c
     for (_n1, p1), (_n2, p2) in zip(built.model.named_parameters(), again.model.named_parameters()):
         torch.testing.assert_close(p1, p2, rtol=0, atol=0)
     # another r is another alignment
-    _built(_cfg(tmp_path, 'fsplug.model.lora.r', '4'), LARGE)
+    _built(_cfg(tmp_path, 'fsplug.model.lora.r', '4', 'fsplug.fedmosaic.alignment_schedule',
+                'full_batch'), LARGE)
     assert sorted(f.split('_r')[1][0] for f in os.listdir(tmp_path / 'align')) == ['4', '8']
 
 
@@ -130,10 +148,44 @@ def test_output_layer_gradient_equals_autograd(tmp_path):
                                rtol=1e-4, atol=1e-6)
 
 
-def test_rela_gradients_mask_noise_and_ema():
+def test_down_proj_gradient_equals_autograd_and_leaves_ws_frozen(tmp_path):
+    """RELA's default layer: the last decoder layer's MLP down projection of W_s, its gradient
+    of the batch's mean CE by a backward pass; W_s keeps no grad and stays frozen."""
+    cfg = _cfg(tmp_path)
+    base = load_base(model_spec(cfg))
+    records = [{'instruction': 'add 2 and 3', 'input': '', 'output': '5'},
+               {'instruction': 'reverse abc', 'input': '', 'output': 'cba'}]
+    batch = base.codec.collate([base.codec.encode(r) for r in records])
+    model = base.model
+    layers = model.model.layers
+    assert last_down_proj(model) is layers[-1].mlp.down_proj
+    weight = layers[-1].mlp.down_proj.weight
+    assert not any(p.requires_grad for p in model.parameters())
+    gradient = rela_gradient(model, batch, 'last_down_proj')
+    assert gradient.numel() == weight.numel() == model.config.hidden_size * model.config.intermediate_size
+    assert not any(p.requires_grad or p.grad is not None for p in model.parameters())
+    weight.requires_grad_(True)
+    model(**batch).loss.backward()
+    expected = weight.grad.detach().clone()
+    weight.grad = None
+    weight.requires_grad_(False)
+    assert gradient.view_as(weight).shape == tuple(weight.shape)
+    torch.testing.assert_close(gradient.view_as(weight), expected, rtol=1e-5, atol=1e-7)
+    assert float(gradient.abs().sum()) > 0
+    # the output layer instead (gradient_layer: lm_head)
+    torch.testing.assert_close(rela_gradient(model, batch, 'lm_head'),
+                               output_layer_gradient(model, batch))
+    # no labelled token: zeros of the layer's size
+    empty = dict(batch, labels=torch.full_like(batch['labels'], -100))
+    assert torch.equal(rela_gradient(model, empty, 'last_down_proj'), torch.zeros(weight.numel()))
+
+
+def test_rela_gradients_in_algorithm_order_mask_noise_then_ema():
+    """sanitise_order: algorithm (Algorithm 1): each gradient masked (and noised), the round's
+    mean folded into ĝ, ĝ sent."""
     grads = [torch.arange(10.0), torch.arange(10.0) * 3]
     exact = RelaGradients(every=2, keep_fraction=0.5, noise_std=0.0, ema_ratio=0.5,
-                          mask_seed=7, noise_seed=1)
+                          mask_seed=7, noise_seed=1, order='algorithm')
     due = []
     for _ in range(5):
         due.append(exact.due())
@@ -148,22 +200,65 @@ def test_rela_gradients_mask_noise_and_ema():
     torch.testing.assert_close(first, 0.5 * (2 * torch.arange(10.0))[mask])
     exact.record(grads[0])
     torch.testing.assert_close(exact.end_round(), 0.5 * first + 0.5 * torch.arange(10.0)[mask])
-    noisy = RelaGradients(2, 0.5, 1.0, 1.0, mask_seed=7, noise_seed=1)
+    noisy = RelaGradients(2, 0.5, 1.0, 1.0, mask_seed=7, noise_seed=1, order='algorithm')
     noisy.record(grads[0])
     noisy.end_step()
     assert torch.equal(noisy.mask, mask)                       # the same mask on every client
     assert not torch.allclose(noisy.end_round(), grads[0][mask])
 
 
-def test_rela_gradient_of_an_accumulated_step_is_the_whole_batch_gradient():
-    """Micro-batches of one step (grad.grad_accum_count) give one sanitised gradient, their
-    token-weighted mean: the gradient of the step's whole batch."""
+@pytest.mark.parametrize('order', ['equations', 'algorithm'])
+def test_rela_orders_match_a_hand_written_reference(order):
+    """Two rounds of three gradients, noise on: 'equations' (Eqs. 2-3) keeps ĝ of the raw
+    gradients, one per gradient, and sends M ⊙ (ĝ + μ ε); 'algorithm' (Algorithm 1) sends the
+    EMA of the rounds' means of M ⊙ (g + μ ε)."""
+    a, mu, keep, dim = 0.5, 0.1, 0.4, 20
+    rounds = [[torch.randn(dim, generator=torch.Generator().manual_seed(10 * r + k))
+               for k in range(3)] for r in range(2)]
+    rela = RelaGradients(every=1, keep_fraction=keep, noise_std=mu, ema_ratio=a,
+                         mask_seed=3, noise_seed=4, order=order)
+    sent = []
+    for grads in rounds:
+        for g in grads:
+            rela.record(g)
+            rela.end_step()
+        sent.append(rela.end_round())
+    mask = shared_mask(dim, keep, 3)
+    noise = torch.Generator().manual_seed(4)      # the client's noise stream, drawn in order
+    count = int(mask.sum())
+    if order == 'equations':
+        ema = torch.zeros(dim)
+        expected = []
+        for grads in rounds:
+            for g in grads:
+                ema = (1 - a) * ema + a * g                      # Eq. 2, per gradient
+            expected.append(ema[mask] + mu * torch.randn(count, generator=noise))   # Eq. 3
+    else:
+        ema = torch.zeros(count)
+        expected = []
+        for grads in rounds:
+            sanitised = [g[mask] + mu * torch.randn(count, generator=noise) for g in grads]
+            ema = (1 - a) * ema + a * torch.stack(sanitised).mean(0)
+            expected.append(ema)
+    for got, want in zip(sent, expected):
+        assert got.shape == (count,)
+        torch.testing.assert_close(got, want)
+    assert torch.equal(rela.mask, mask)
+
+
+@pytest.mark.parametrize('order', ['equations', 'algorithm'])
+def test_rela_gradient_of_an_accumulated_step_is_the_whole_batch_gradient(order):
+    """Micro-batches of one step (grad.grad_accum_count) give one gradient, their token-weighted
+    mean: the gradient of the step's whole batch."""
     rela = RelaGradients(every=1, keep_fraction=1.0, noise_std=0.0, ema_ratio=1.0,
-                         mask_seed=7, noise_seed=1)
+                         mask_seed=7, noise_seed=1, order=order)
     rela.record(torch.full((4,), 1.0), tokens=1)
     rela.record(torch.full((4,), 4.0), tokens=3)
     rela.end_step()
-    assert len(rela.round) == 1
+    if order == 'algorithm':
+        assert len(rela.round) == 1
+    else:
+        torch.testing.assert_close(rela.ema, ema_update(None, torch.full((4,), 13.0 / 4), 1.0))
     torch.testing.assert_close(rela.end_round(), torch.full((4,), (1.0 + 12.0) / 4))
 
 
@@ -177,7 +272,7 @@ def test_heterogeneous_run_trains_gates_and_fills_the_global_modules(hetero_run)
     for proc in clients.values():
         assert proc.state['rela'].ema is not None and proc.state['rela'].steps == 12
         layers = [m for m in proc.model.modules() if hasattr(m, 'mosaic')]
-        assert any(float(m.mosaic.beta.detach()) != 0.0 for m in layers)       # the gate learns
+        assert any(float(m.mosaic.beta_parameter().detach()) != 0.0 for m in layers)   # gates learn
         pq = [m for m in layers if m.mosaic.pq]
         # the global P received from the server is no longer the initial identity
         assert any(not torch.allclose(m.mosaic.global_P, torch.eye(m.mosaic.global_P.shape[0]))
@@ -248,8 +343,11 @@ def test_pq_lora_has_its_own_learning_rate(tmp_path, pq_lr):
     proc.begin_round()
     lr_of = {id(p): g['lr'] for g in proc.optimizer.param_groups for p in g['params']}
     assert len(lr_of) == len(proc.trainable_names)
+    pq_prefixes = [f'{path}.mosaic.' for path in built.model.fedmosaic_pq] + [
+        f"{path.split('.self_attn.')[0].split('.mlp.')[0]}.mosaic_gate." for path in built.model.fedmosaic_pq]
     for name in proc.trainable_names:
-        in_pq_layer = any(name.startswith(f'{path}.mosaic.') for path in built.model.fedmosaic_pq)
+        # P, Q and the per-layer gate of a block-end layer
+        in_pq_layer = any(name.startswith(prefix) for prefix in pq_prefixes)
         assert lr_of[id(proc.params[name])] == (pq_lr if pq_lr and in_pq_layer else 2e-5), name
     assert any(n.endswith('.mosaic.P') for n in proc.trainable_names)
 
@@ -270,3 +368,72 @@ def test_the_pivot_is_built_once_per_process_for_every_client_of_another_type(tm
         _built(cfg, LARGE)
     assert built_types.count('tiny-llama@fsplug_llm') == 1
     assert all(p.built is None for p in fedmosaic_module._PIVOTS.values())   # model released
+
+
+def test_the_paper_alignment_schedule_is_one_epoch_of_batch_4_on_a_cosine(tmp_path, monkeypatch):
+    """alignment_schedule: paper (A.17): ⌈samples / 4⌉ Adam steps, the rate 5e-5 decaying on a
+    cosine; the cache key holds the schedule and its settings."""
+    import fs_plugins.tuners.mosaic.alignment as alignment_module
+    fits = []
+
+    class Recording(alignment_module.MiniBatchAlignment):
+        def __post_init__(self):
+            super().__post_init__()
+            fits.append(self)
+    monkeypatch.setattr(alignment_module, 'MiniBatchAlignment', Recording)
+    cfg = _cfg(tmp_path, 'fsplug.fedmosaic.alignment_samples', '30')
+    assert cfg.fsplug.fedmosaic.alignment_schedule == 'paper'
+    built, _, _ = _built(cfg, LARGE)
+    fit, = fits
+    steps = math.ceil(30 / 4)
+    assert fit.total_steps == steps and len(fit.learning_rates) == steps
+    assert fit.learning_rates == pytest.approx([cosine_learning_rate(5e-5, t, steps)
+                                                for t in range(steps)])
+    modules = dict(built.model.named_modules())
+    for name in built.model.fedmosaic_pq:
+        a = modules[name].lora_A['default'].weight.detach()
+        torch.testing.assert_close(a @ a.T, torch.eye(a.shape[0]), atol=1e-4, rtol=0)
+    # another schedule or batch size is another alignment; the same settings read the file
+    _built(_cfg(tmp_path, 'fsplug.fedmosaic.alignment_samples', '30',
+                'fsplug.fedmosaic.alignment_schedule', 'full_batch'), LARGE)
+    _built(_cfg(tmp_path, 'fsplug.fedmosaic.alignment_samples', '30',
+                'fsplug.fedmosaic.alignment_batch_size', '2'), LARGE)
+    assert len(os.listdir(tmp_path / 'align')) == 3 and len(fits) == 2
+    _built(cfg, LARGE)
+    assert len(os.listdir(tmp_path / 'align')) == 3 and len(fits) == 2
+
+
+def test_without_rela_weights_are_equal_and_no_gradient_is_taken_or_sent(tmp_path, monkeypatch):
+    """rela: False (Table 7 '(+) PQ-LoRA', Table 30 'Equal-weight aggregation')."""
+    cfg = _cfg(tmp_path, 'fsplug.fedmosaic.rela', 'False')
+    built, method, ccfg = _built(cfg)
+    state = method.init_client_state(built.model, ccfg)
+    monkeypatch.setattr(FedMosaic, 'small_model', lambda *a: pytest.fail('W_s was used'))
+    base = load_base(model_spec(cfg))
+    batch = base.codec.collate([base.codec.encode({'instruction': 'add 2 and 3', 'input': '',
+                                                   'output': '5'})])
+    method.loss(built.model, batch, state)
+    extra = method.client_extra(built.model, state)
+    assert set(extra) == {ARCH_KEY, PIVOT_KEY}
+    shared = method.shared_tensors(built.model, built.trainable_names)
+    updates = []
+    for cid in (1, 2, 3):
+        generator = torch.Generator().manual_seed(cid)
+        updates.append(ClientUpdate(cid, 10, {n: torch.randn(t.shape, generator=generator)
+                                              for n, t in shared.items()}, dict(extra)))
+    custom = method.aggregate(method.init_server_state({}), updates)['custom']
+    for name in shared:
+        mean = sum(u.shared[name] for u in updates) / 3
+        for cid in (1, 2, 3):
+            torch.testing.assert_close(custom[cid][name], mean, rtol=1e-5, atol=1e-6)
+
+
+def test_without_pq_lora_every_layer_is_conventional_and_nothing_is_aligned(tmp_path):
+    """pq_lora: False (Table 7 'Vanilla' with rela: False): conventional LoRA everywhere,
+    nothing under pq/, no alignment."""
+    built, method, _ = _built(_cfg(tmp_path, 'fsplug.fedmosaic.pq_lora', 'False'), LARGE)
+    assert built.model.fedmosaic_pq == {}
+    assert not os.path.exists(tmp_path / 'align')
+    shared = method.shared_tensors(built.model, built.trainable_names)
+    assert shared and not any(n.startswith(PQ_PREFIX) for n in shared)
+    assert {n.split('.layers.')[1].split('.')[0] for n in shared} == {'0', '1', '2', '3'}

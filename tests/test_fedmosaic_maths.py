@@ -427,3 +427,56 @@ def test_alignment_moments_stream_to_the_full_batch_objective_and_cca():
         torch.testing.assert_close(got * signs, ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match='expected pivot_features'):
         streamed.add(z[:3], x_i[:3])
+
+
+# ------------------------------------------------------------------------------ issue 38
+
+def test_uniform_weights_are_equal_weight_aggregation():
+    """RELA off (Table 7 '(+) PQ-LoRA', Table 30 'Equal-weight aggregation'): w_ij = 1/N."""
+    from fs_plugins.aggregation.mosaic import uniform_weights
+    torch.testing.assert_close(uniform_weights(4), torch.full((4, 4), 0.25))
+    others = uniform_weights(3, include_self=False)
+    torch.testing.assert_close(others, (torch.ones(3, 3) - torch.eye(3)) / 2)
+    torch.testing.assert_close(uniform_weights(1, include_self=False), torch.ones(1, 1))
+
+
+def test_cosine_learning_rate():
+    from fs_plugins.aggregation.mosaic import cosine_learning_rate
+    assert cosine_learning_rate(5e-5, 0, 10) == 5e-5
+    assert cosine_learning_rate(5e-5, 5, 10) == pytest.approx(2.5e-5)
+    assert cosine_learning_rate(1.0, 3, 4) == pytest.approx(0.5 * (1 + math.cos(math.pi * 3 / 4)))
+    with pytest.raises(ValueError):
+        cosine_learning_rate(1.0, 4, 4)
+
+
+def test_mini_batch_alignment_is_adam_on_batches_with_a_cosine_schedule():
+    """The paper's A fit (A.17): one Adam step per batch on Eq. 20 over the batch's rows, the
+    learning rate on a cosine schedule; checked against torch's Adam + LambdaLR written out."""
+    from fs_plugins.aggregation.mosaic import MiniBatchAlignment
+    r, d_i, d_j, batches = 3, 8, 10, 5
+    a_i = orthonormal_rows(r, d_i, generator=_gen(70)).double()
+    a_j = orthonormal_rows(r, d_j, generator=_gen(71)).double()
+    rows = []
+    for k in range(batches):
+        x_i = torch.randn(6, d_i, generator=_gen(80 + k), dtype=torch.float64)
+        rows.append((x_i @ a_i.T, torch.cat([x_i, x_i[:, :2]], dim=1)))
+    fit = MiniBatchAlignment({'k': a_j}, total_steps=batches, lr=0.05, reg=0.5)
+    for z, x in rows:
+        fit.step({'k': (z, x)})
+    assert fit.learning_rates == pytest.approx(
+        [0.05 * 0.5 * (1 + math.cos(math.pi * t / batches)) for t in range(batches)])
+    reference = a_j.clone().requires_grad_(True)
+    optimiser = torch.optim.Adam([reference], lr=0.05)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda t: 0.5 * (1 + math.cos(math.pi * t / batches)))
+    for z, x in rows:
+        optimiser.zero_grad()
+        a_alignment_loss(z, x, reference, 0.5).backward()
+        optimiser.step()
+        schedule.step()
+    torch.testing.assert_close(fit.a['k'].detach(), reference.detach())
+    result = fit.result()['k']
+    torch.testing.assert_close(result, nearest_orthonormal_rows(reference.detach()))
+    assert not torch.equal(result, a_j)               # it moved
+    with pytest.raises(ValueError, match='more than total_steps'):
+        fit.step({'k': rows[0]})

@@ -18,17 +18,18 @@ when an input is float64, unless a function says otherwise. Inputs are never mod
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 __all__ = [
-    'pq_block_layers', 'rela_weights', 'shared_mask', 'sanitise_gradient', 'ema_update',
+    'pq_block_layers', 'rela_weights', 'uniform_weights', 'shared_mask', 'sanitise_gradient', 'ema_update',
     'orthonormal_rows', 'orthonormal_columns', 'nearest_orthonormal_rows', 'align_a',
     'AlignmentMoments', 'a_alignment_loss_from_moments', 'align_a_from_moments',
     'a_alignment_loss', 'cca_projections', 'cca_from_covariances', 'b_output_cca',
-    'canonical_correlations', 'align_b',
+    'canonical_correlations', 'align_b', 'cosine_learning_rate', 'MiniBatchAlignment',
     'customised_globals',
 ]
 
@@ -150,6 +151,18 @@ def rela_weights(grads: torch.Tensor, tau: float = 0.5, include_self: bool = Tru
     if not include_self and num_clients > 1:
         logits.fill_diagonal_(float('-inf'))
     return torch.softmax(logits, dim=1).to(torch.float32)
+
+
+def uniform_weights(num_clients: int, include_self: bool = True) -> torch.Tensor:
+    """Equal aggregation weights, the ablation without RELA (Table 7 '(+) PQ-LoRA', Table 30
+    'Equal-weight aggregation'): w_ij = 1/N, or 1/(N − 1) over j ≠ i when include_self is
+    False (a lone client keeps itself)."""
+    if num_clients < 1:
+        raise ValueError(f'num_clients must be >= 1, got {num_clients}')
+    weights = torch.ones(num_clients, num_clients, dtype=torch.float64)
+    if not include_self and num_clients > 1:
+        weights.fill_diagonal_(0.0)
+    return (weights / weights.sum(dim=1, keepdim=True)).to(torch.float32)
 
 
 def customised_globals(local_modules: list[dict[str, torch.Tensor]], weights: torch.Tensor,
@@ -368,6 +381,60 @@ def align_a_from_moments(moments: AlignmentMoments, a_init: torch.Tensor, reg: f
             a_alignment_loss_from_moments(moments, a, reg).backward()
             optimiser.step()
     return nearest_orthonormal_rows(a.detach()).to(_result_dtype(a_init))
+
+
+def cosine_learning_rate(base_lr: float, step: int, total_steps: int) -> float:
+    """The cosine schedule without warm-up: base_lr · ½(1 + cos(π·step/total_steps)) at
+    0-based `step` of `total_steps` (base_lr at step 0, decaying towards 0)."""
+    if total_steps < 1 or not 0 <= step < total_steps:
+        raise ValueError(f'need 0 <= step < total_steps, got step={step}, total_steps={total_steps}')
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+
+
+@dataclass
+class MiniBatchAlignment:
+    """Eq. 20 fitted batch by batch, as the paper aligns A (A.17: "1 epoch using a batch size of
+    4, a learning rate of 5e-5, and the Adam optimizer with cosine scheduler"; Algorithm 3, step
+    2): one Adam step per public batch on Σ_keys [mean_rows ‖z − A x‖² + λ‖A Aᵀ − I‖²] over the
+    batch's rows, at :func:`cosine_learning_rate` over `total_steps`; :meth:`result` projects
+    every A to orthonormal rows (Eq. 23). float64; `a_init` {key: (r, d) A_j} is not modified.
+    `learning_rates` records the rate of every step taken."""
+    a_init: dict
+    total_steps: int
+    lr: float = 5e-5
+    reg: float = 0.5
+    learning_rates: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.total_steps < 1:
+            raise ValueError(f'total_steps must be >= 1, got {self.total_steps}')
+        self.a = {key: a.detach().to(torch.float64).clone().requires_grad_(True)
+                  for key, a in self.a_init.items()}
+        self.optimiser = torch.optim.Adam(list(self.a.values()), lr=self.lr)
+
+    def step(self, rows: dict) -> None:
+        """One optimiser step on one batch: rows {key: (z (n, r) pivot A outputs, x (n, d_j)
+        inputs)}; keys without rows in the batch do not count."""
+        step = len(self.learning_rates)
+        if step >= self.total_steps:
+            raise ValueError(f'MiniBatchAlignment: more than total_steps = {self.total_steps} steps')
+        lr = cosine_learning_rate(self.lr, step, self.total_steps)
+        for group in self.optimiser.param_groups:
+            group['lr'] = lr
+        with torch.enable_grad():
+            self.optimiser.zero_grad()
+            losses = [a_alignment_loss(z.detach().to(torch.float64), x.detach().to(torch.float64),
+                                       self.a[key], self.reg)
+                      for key, (z, x) in rows.items() if z.shape[0]]
+            if losses:
+                sum(losses).backward()
+                self.optimiser.step()
+        self.learning_rates.append(lr)
+
+    def result(self) -> dict:
+        """{key: the fitted A_j projected to orthonormal rows}, in each a_init's dtype."""
+        return {key: nearest_orthonormal_rows(a.detach()).to(_result_dtype(self.a_init[key]))
+                for key, a in self.a.items()}
 
 
 # --------------------------------------------------------------------------------------------

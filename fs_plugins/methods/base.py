@@ -57,6 +57,47 @@ class ClientUpdate:
     weight: float | None = None
 
 
+@dataclass(frozen=True)
+class PaperClaim:
+    """A paper's statement about a method's communication, checked by `fs-plugins audit` and
+    printed by `fs-plugins estimate` beside the measured figure.
+
+    `up_ratio`: the method's bytes uploaded per client per round over FedAvg-LoRA's on the same
+    model and targets (None when the paper gives no ratio); `source`: where the paper says so
+    (table, section) and in its words; `tolerance`: the relative difference the audit accepts."""
+    source: str
+    up_ratio: float | None = None
+    tolerance: float = 0.10
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a method declares about its wiring, next to its options (checked by
+    `fs_plugins.run.audit` on every shipped YAML).
+
+    Patterns are fnmatch globs over parameter names (`*lora_A*`) or, for uploads, over the
+    names the client sends (`pq/*`).
+    - `trains`: trainable tensors that must receive a non-zero gradient in some phase of a round
+      (empty: every trainable tensor must);
+    - `uploads`: names that must be in every upload (empty: no requirement);
+    - `stays_local`: trainable tensors that must never leave the client;
+    - `unchanged_uploads`: uploaded tensors that may legitimately be unchanged by local training
+      (e.g. a frozen tensor the method still sends);
+    - `extra`: keys of the extra payload (gradient sketches, statistics) the method sends;
+    - `claim`: the paper's communication claim, if it has one;
+    - `audit_clients`: how many clients the audit needs at least (e.g. a clustering step);
+    - `depth_options`: options under `fsplug.<name>` bounded by the model's depth, capped at a
+      tiny model's when the audit swaps the YAML's model for one (FedMosaic's N_B)."""
+    trains: tuple[str, ...] = ()
+    uploads: tuple[str, ...] = ()
+    stays_local: tuple[str, ...] = ()
+    unchanged_uploads: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    claim: PaperClaim | None = None
+    audit_clients: int = 2
+    depth_options: tuple[str, ...] = ()
+
+
 def weights_of(updates) -> list[float]:
     """The clients' aggregation weights (unnormalised p_k) in the order of `updates`."""
     return [float(u.num_samples if u.weight is None else u.weight) for u in updates]
@@ -88,6 +129,14 @@ class Method:
     # True: local steps only evaluate `loss` (no backward, no optimiser step), e.g. LoRAHub's
     # gradient-free search, where the loss scores candidates the server proposed
     gradient_free: ClassVar[bool] = False
+    # FLOPs of the method's local round over SFT's (FedAvg-LoRA's) when every phase runs
+    # train.local_update_steps, as a paper states it (FedMosaic Table 15, "relative C to SFT");
+    # fsplug.train.local_compute 'matched' divides the round's steps by it. None: measured
+    # (fs_plugins.run.flops) unless fsplug.train.relative_cost sets it
+    relative_cost: ClassVar[float | None] = None
+    # what must train, what is uploaded, what stays on the client, and the paper's communication
+    # claim (Contract; checked by `fs-plugins audit`)
+    contract: ClassVar[Contract] = Contract()
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -116,6 +165,12 @@ class Method:
     def resolve_config(cls, cfg) -> None:
         """Fills keys of the run's config derived from other keys (e.g. a default that is
         another key's value), before any --client_cfg entry is merged on top."""
+
+    @classmethod
+    def resolve_client_config(cls, cfg, records: dict) -> None:
+        """Fills keys of one client's config derived from its own records ({'train', 'test',
+        ...}), after its --client_cfg entry is merged and before its model is built (e.g.
+        UniFLoW's client_modalities 'auto': the modalities its training records hold)."""
 
     @classmethod
     def client_problems(cls, run_cfg: dict, client_cfg: dict) -> list[str]:
@@ -168,6 +223,14 @@ class Method:
     def client_extra(self, model: torch.nn.Module, state: dict) -> dict[str, torch.Tensor]:
         """Payload sent beside the shared parameters, computed at the end of a local round
         (it may update `state`, e.g. a control variate)."""
+        return {}
+
+    def extra_payload_shapes(self, model: torch.nn.Module, cfg) -> dict[str, tuple]:
+        """The shapes of what `client_extra` sends per round, known before training (for
+        `fs-plugins estimate`, which never trains): {key: shape} for a float32 tensor, or
+        {key: (shape, dtype)} for another dtype; `model` is the adapted model (possibly on the
+        meta device), `cfg` the client's config. Where the payload varies by round (e.g. only
+        in a warm-up) give its largest round. Default: no extra payload."""
         return {}
 
     def client_metrics(self, model: torch.nn.Module, state: dict) -> dict[str, float]:

@@ -1,24 +1,28 @@
 """FedMosaic (paper: ../shared/seeds/001_51e0ffdb9410dd34.txt): personalised federated
 fine-tuning across heterogeneous client models with PQ-LoRA and RELA.
 
-Model (§4.2, `fs_plugins.tuners.mosaic`): PQ-LoRA h = W0 x + s·B(P A x + Q) (Eq. 5) on the
-target modules of the last layer of each of N_B blocks (Eq. 6 / Algorithm 2), conventional
-LoRA on the other layers. Every layer has a local module (trains) and a frozen global one
-from the server, mixed by a learnable gate: h = W0 x + (1 − σ(β)) h_local + σ(β) h_global
-(Eq. 7, β init 0). PQ-LoRA's A, B are orthonormal and frozen; only P (init I) and Q train.
-Alignment (§4.2.2, Algorithms 3-4, `tuners.mosaic.alignment`): before training, a model type
-other than the pivot aligns its PQ A, B to the pivot's on public data, once (cached on disk).
+Model (§4.2, `fs_plugins.tuners.mosaic`): PQ-LoRA h = W0 x + B(P A x + Q) (Eq. 5; no alpha/r
+unless pq_scale) on the target modules of the last layer of each of N_B blocks (Eq. 6 /
+Algorithm 2), conventional LoRA (peft's alpha/r) on the other layers. Every module has a local
+part (trains) and a frozen global one from the server, mixed by a learnable gate:
+h = W0 x + (1 − σ(β)) h_local + σ(β) h_global (Eq. 7, β init 0), one β per decoder layer
+(`gate`). PQ-LoRA's A, B are orthonormal and frozen; only P (init I) and Q train.
+Alignment (§4.2.2, Algorithms 3-4, A.17, `tuners.mosaic.alignment`): before training, a model
+type other than the pivot aligns its PQ A, B to the pivot's on public data, once (cached on
+disk); by default one epoch of batch-4 Adam at 5e-5 with a cosine schedule (A.17).
 The pivot and RELA's W_s are one model: `pivot_builder` / `pivot_model_type`, by default the
 run's own model (the YAML's, before --client_cfg), which should be the smallest (A.3).
 
-RELA (§4.1, Algorithm 1, `tuners.mosaic.rela`): every f steps a client takes the output-layer
-gradient of the frozen W_s on its batch, subsamples it with the shared mask and noises it
-(Eq. 3), and keeps an EMA of the round means (Eq. 2), uploaded with its local modules. The
+RELA (§4.1, Algorithm 1, `tuners.mosaic.rela`): every f steps a client takes the gradient of
+the frozen W_s's last decoder layer's MLP down projection (`gradient_layer`) on its batch,
+folds it into an EMA (Eq. 2), and uploads the EMA masked with the shared mask and noised
+(Eq. 3) with its local modules (`sanitise_order`: Algorithm 1 sanitises first instead). The
 server keeps every client's latest upload, weights w_ij = softmax_j(cos(g̃_i, g̃_j)/τ) (Eq. 4)
 and sends client i its customised global G_i = Σ_j w_ij L_j: P, Q over all clients (paired by
 block and module path, 'pq/<block>.<module>/P|Q'), conventional LoRA and any other trained
 tensor only over clients of i's model type (`aggregation.mosaic.customised_globals`).
-Local modules and the gate never leave the client.
+Local modules' gates never leave the client. `rela: False` / `pq_lora: False` are the
+paper's ablations (Table 7).
 """
 from __future__ import annotations
 
@@ -30,10 +34,10 @@ from statistics import mean
 
 import torch
 
-from fs_plugins.aggregation.mosaic import customised_globals, rela_weights
+from fs_plugins.aggregation.mosaic import customised_globals, rela_weights, uniform_weights
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.methods.base import Method, differing_client_keys
+from fs_plugins.methods.base import Contract, Method, PaperClaim, differing_client_keys
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import register_method
 from fs_plugins.methods.specs import model_spec
@@ -41,17 +45,17 @@ from fs_plugins.models.builders import load_base
 from fs_plugins.schema import option
 from fs_plugins.schema.options import Cfg, to_plain
 from fs_plugins.tuners.mosaic.alignment import Pivot, align_to_pivot
-from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR, MosaicLinear
-from fs_plugins.tuners.mosaic.model import inject_mosaic
-from fs_plugins.tuners.mosaic.rela import RelaGradients, labelled_tokens, output_layer_gradient
+from fs_plugins.tuners.mosaic.layer import GATE_ATTR, MOSAIC_ATTR, MosaicLinear
+from fs_plugins.tuners.mosaic.model import decoder_layer_name, inject_mosaic
+from fs_plugins.tuners.mosaic.rela import RelaGradients, gradient_weight, labelled_tokens, rela_gradient
 
 logger = logging.getLogger(__name__)
 
-GRAD_KEY = 'fedmosaic.grad'     # the client's EMA of sanitised W_s output-layer gradients
+GRAD_KEY = 'fedmosaic.grad'     # the client's sanitised EMA of W_s last-layer gradients
 ARCH_KEY = 'fedmosaic.arch'     # id of the client's model type (builder + model.type)
 PIVOT_KEY = 'fedmosaic.pivot'   # id of the pivot / W_s the client aligned to and used
 PQ_PREFIX = 'pq/'               # 'pq/<block>.<module>/P|Q': PQ-LoRA tensors across model types
-GATE_NAME = f'.{MOSAIC_ATTR}.beta'
+GATE_NAMES = (f'.{MOSAIC_ATTR}.beta', f'.{GATE_ATTR}.beta')   # per module, per decoder layer
 ALIGNMENT_DIR_NAME = 'fedmosaic_alignment'
 
 
@@ -65,17 +69,43 @@ class FedMosaicConfig:
                                         '(Algorithm 2); they differ when N_B does not divide L',
                             choices=('equation', 'algorithm'))
     q_init_std: float = option(0.0, 'initial Q ~ N(0, std²) (the paper does not say; 0: Q = 0, '
-                                    'so P = I, Q = 0 starts from s·B A x)', ge=0)
-    gradient_every: int = option(10, 'f: RELA takes the W_s output-layer gradient every f local '
-                                     'steps (Algorithm 1; §A.7: 10)', ge=1)
-    ema_ratio: float = option(0.5, 'a: ĝ ← (1 − a)·ĝ + a·mean of the round\'s gradients (Eq. 2, '
-                                   'Algorithm 1; §A.7: 0.5)', ge=0, le=1)
+                                    'so P = I, Q = 0 starts from B A x)', ge=0)
+    gradient_every: int = option(10, 'f: RELA takes the W_s gradient every f local steps '
+                                     '(Algorithm 1; §A.7: 10)', ge=1)
+    gradient_layer: str = option('last_down_proj', "the W_s weight RELA's gradient is of (§4.1 "
+                                 '"last-layer gradient"): last_down_proj = the last decoder '
+                                 "layer's MLP down projection (hidden × intermediate; the authors' "
+                                 'code, and the size A.9\'s 8.6 % / 3.4 % fit); lm_head = the '
+                                 'output layer (vocab × hidden)',
+                                 choices=('last_down_proj', 'lm_head'))
+    sanitise_order: str = option('equations', 'equations = Eqs. 2-3 (Fig. 2): the EMA ĝ of every '
+                                 'raw gradient, then g̃ = M ⊙ (ĝ + μ·ε) once per upload; '
+                                 "algorithm = Algorithm 1 (and the authors' code): each gradient "
+                                 "masked and noised, the round's mean folded into the EMA",
+                                 choices=('equations', 'algorithm'))
+    ema_ratio: float = option(0.5, 'a: ĝ ← (1 − a)·ĝ + a·g, per gradient (Eq. 2) or per round '
+                                   'mean (Algorithm 1), see sanitise_order (§A.7: 0.5)', ge=0, le=1)
     noise_std: float = option(1e-4, 'μ: Gaussian noise std added to the gradient (Eq. 3; §A.7: '
                                     '1e-4)', ge=0)
     gradient_keep: float = option(0.4, 'N_s: fraction of the gradient coordinates kept by the '
-                                       'mask all clients share (Eq. 3; §A.7: 40%); what each '
-                                       'client uploads is N_s · vocab · hidden floats of W_s',
-                                  gt=0, le=1)
+                                       'mask all clients share (Eq. 3; §A.7: 40%, "60% gradient '
+                                       'compression", A.8); each client uploads N_s · numel of '
+                                       'the gradient layer floats', gt=0, le=1)
+    rela: bool = option(True, 'RELA (§4.1); False = equal weights w_ij = 1/N (the ablation of '
+                              "Table 7 '(+) PQ-LoRA' and Table 30 'Equal-weight aggregation'): "
+                              'no W_s gradient is taken or sent')
+    pq_lora: bool = option(True, 'PQ-LoRA at the block ends (§4.2); False = conventional LoRA on '
+                                 "every layer, nothing shared across model types (Table 7 'Vanilla' "
+                                 'with rela: False); no alignment')
+    pq_scale: str = option('none', "PQ-LoRA's output scale: none = B(P A x + Q) as Eq. 5; "
+                                   "alpha_over_r = times peft's lora alpha / r, as the authors' "
+                                   'code (conventional LoRA always keeps alpha / r)',
+                           choices=('none', 'alpha_over_r'))
+    gate: str = option('per_layer', 'the gate β of Eq. 7: per_layer = one β per decoder layer, '
+                                    'shared by its modules (§4.2.2 "at the l-th layer", '
+                                    'Algorithm 1 "for each layer"); per_module = one per LoRA '
+                                    "module (the authors' code gates per module, input-dependent)",
+                       choices=('per_layer', 'per_module'))
     temperature: float = option(0.5, 'τ of w_ij = softmax_j(cos(g̃_i, g̃_j)/τ) (Eq. 4; §A.7: 0.5)',
                                 gt=0)
     include_self: bool = option(True, "whether client i's own module is in its G_i (Eq. 4 sums "
@@ -86,8 +116,9 @@ class FedMosaicConfig:
     pivot_model_type: str = option('', "model.type of the pivot / W_s; '' = the run's model.type. "
                                        'Paper A.3: the smallest client model')
     pq_lr: float = option(0.0, "learning rate of the PQ-LoRA layers' trained tensors (P, Q and "
-                               'their gates β); 0 = train.optimizer.lr. Paper (A.7): 5e-5 for '
-                               'PQ-LoRA, 2e-5 for the other parameters (train.optimizer.lr)', ge=0)
+                               'the gates of their decoder layers); 0 = train.optimizer.lr. Paper '
+                               '(A.7): 5e-5 for PQ-LoRA, 2e-5 for the other parameters '
+                               '(train.optimizer.lr)', ge=0)
     alignment: str = option('compute', 'compute: align a non-pivot model on first use and cache '
                                        'it; require: fail unless the alignment is cached',
                             choices=('compute', 'require'))
@@ -99,10 +130,19 @@ class FedMosaicConfig:
     alignment_samples: int = option(64, 'public records used for the alignment', ge=2)
     alignment_reg: float = option(0.5, 'λ of the orthonormality term λ‖A Aᵀ − I‖² (Eq. 20; §A.7: '
                                        '0.5)', ge=0)
-    alignment_steps: int = option(200, 'Adam steps fitting each A to the pivot (Eq. 20; the paper '
-                                       'does not give a count)', ge=0)
-    alignment_lr: float = option(0.01, 'learning rate of those Adam steps', gt=0)
-
+    alignment_schedule: str = option('paper', "how A is fitted to the pivot (Eq. 20): paper = one "
+                                     'epoch over the public records, one Adam step per batch of '
+                                     'alignment_batch_size at alignment_lr, cosine schedule '
+                                     '(A.17); full_batch = alignment_steps Adam steps at '
+                                     'alignment_full_batch_lr on all records at once',
+                                     choices=('paper', 'full_batch'))
+    alignment_batch_size: int = option(4, 'public records per alignment batch (A.17: 4)', ge=1)
+    alignment_lr: float = option(5e-5, "peak Adam learning rate of the paper schedule (A.17: "
+                                       '5e-5, cosine decay)', gt=0)
+    alignment_steps: int = option(200, 'full_batch schedule: Adam steps fitting each A to the '
+                                       'pivot (the paper does not use it)', ge=0)
+    alignment_full_batch_lr: float = option(0.01, 'full_batch schedule: learning rate of those '
+                                                  'Adam steps', gt=0)
 
 def model_type_id(builder: str, model_type: str) -> int:
     """A stable positive int64 naming a model type (sent as a tensor)."""
@@ -127,8 +167,26 @@ class FedMosaic(Method):
     sent = ('LoRA, P, Q + sanitised W_s gradient EMA / customised global LoRA, P, Q '
             '(P, Q across model types; LoRA within one)')
     config_class = FedMosaicConfig
+    relative_cost = 1.098   # Table 15: FLOPs per iteration relative to SFT (W_s's gradient, gates)
     hf_export_refusal = ("FedMosaic's layers mix a local and a global module with a learned "
                          "gate, and PQ-LoRA's P, Q sit between A and B: not a peft LoRA")
+    contract = Contract(
+        uploads=(f'{PQ_PREFIX}*',),
+        stays_local=tuple(f'*{name}' for name in GATE_NAMES),
+        extra=(GRAD_KEY, ARCH_KEY, PIVOT_KEY),
+        depth_options=('num_blocks',),
+        claim=PaperClaim(
+            source=('A.9: "adding 8.6% overhead compared to sending only local LoRA parameters '
+                    '... With N_s = 40%, the communication overhead drops to 3.4%" and "transmits '
+                    'only P and Q, significantly reducing 14.3% communication cost ... FedMosaic '
+                    'consequently achieves 10.9% lower communication cost than even the most '
+                    'efficient baseline (i.e., FedAvg)": 1 − 0.143 + 0.034 = 0.891 of FedAvg-'
+                    "LoRA's per-client upload. The figures fit a LLaVA-Llama3.2-3B client (28 "
+                    'layers; r = 128 on all 7 linear modules, A.6; N_B = 4, so 4/28 = 14.3% of '
+                    "its LoRA becomes P, Q) with W_s = Llama3.2-1B's last down_proj (2048 × 8192 = "
+                    "8.6% of the 3B's LoRA); computed exactly (P, Q counted) 0.894; a 1B client "
+                    '0.83 (docs/fedmosaic.md)'),
+            up_ratio=0.891))
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -185,11 +243,13 @@ class FedMosaic(Method):
         hp = self.hparams
         try:
             model.fedmosaic_pq = inject_mosaic(model, hp.num_blocks, hp.placement, hp.q_init_std,
-                                               derive_seed(cfg.seed, 'fedmosaic-init'))
+                                               derive_seed(cfg.seed, 'fedmosaic-init'),
+                                               gate=hp.gate, pq_scale=hp.pq_scale,
+                                               pq_lora=hp.pq_lora)
         except ValueError as exc:
             raise ConfigError(f"fsplug.fedmosaic.num_blocks = {hp.num_blocks} does not fit "
                               f"model.type '{cfg.model.type}': {exc}") from None
-        if not model.fedmosaic_pq:
+        if hp.pq_lora and not model.fedmosaic_pq:
             raise ConfigError(f"FedMosaic: no PQ-LoRA layer on model.type '{cfg.model.type}' "
                               f"(fsplug.model.lora.target_modules "
                               f"{list(cfg.fsplug.model.lora.target_modules)} in no block-end "
@@ -197,8 +257,10 @@ class FedMosaic(Method):
         return model
 
     def after_build(self, model, codec, cfg) -> None:
-        """A non-pivot model aligns its PQ-LoRA A, B to the pivot's (cached)."""
-        if self.is_pivot(cfg):
+        """A non-pivot model aligns its PQ-LoRA A, B to the pivot's (cached). A model built on
+        the meta device (shapes only, `fs-plugins estimate`) is not aligned: alignment changes
+        values, not shapes."""
+        if self.is_pivot(cfg) or not self.hparams.pq_lora or next(model.parameters()).is_meta:
             return
         pivot_cfg = self.pivot_config(cfg)
         pivot = self.pivot_of(pivot_cfg)
@@ -223,7 +285,8 @@ class FedMosaic(Method):
         hp = self.hparams
         rela = RelaGradients(hp.gradient_every, hp.gradient_keep, hp.noise_std, hp.ema_ratio,
                              mask_seed=derive_seed(cfg.seed, 'fedmosaic-mask'),
-                             noise_seed=derive_seed(cfg.seed, 'fedmosaic-noise', self.client_id))
+                             noise_seed=derive_seed(cfg.seed, 'fedmosaic-noise', self.client_id),
+                             order=hp.sanitise_order)
         return {'rela': rela, 'small_cfg': self.pivot_config(cfg), 'type_ids': self._type_ids(cfg)}
 
     def small_model(self, state, device):
@@ -236,10 +299,11 @@ class FedMosaic(Method):
 
     def loss(self, model, batch, state):
         rela = state['rela']
-        if rela.due():
+        if self.hparams.rela and rela.due():
             small = self.small_model(state, batch['input_ids'].device)
             try:
-                rela.record(output_layer_gradient(small, batch), labelled_tokens(batch))
+                rela.record(rela_gradient(small, batch, self.hparams.gradient_layer),
+                            labelled_tokens(batch))
             except (RuntimeError, ValueError, IndexError) as exc:
                 raise ValueError(f"FedMosaic RELA: W_s (model.type "
                                  f"'{state['small_cfg'].model.type}') cannot read client "
@@ -254,9 +318,10 @@ class FedMosaic(Method):
     def learning_rates(self, model, trainable_names):
         if not self.hparams.pq_lr:
             return {}
-        pq_modules = {f'{path}.{MOSAIC_ATTR}.' for path in model.fedmosaic_pq}
-        return {n: self.hparams.pq_lr for n in trainable_names
-                if any(n.startswith(m) for m in pq_modules)}
+        # P, Q and the gates of PQ-LoRA modules, and the per-layer gates of block-end layers
+        prefixes = tuple({f'{path}.{MOSAIC_ATTR}.' for path in model.fedmosaic_pq}
+                         | {f'{decoder_layer_name(path)}.{GATE_ATTR}.' for path in model.fedmosaic_pq})
+        return {n: self.hparams.pq_lr for n in trainable_names if n.startswith(prefixes)}
 
     def shared_tensors(self, model, trainable_names):
         """Conventional LoRA (and other trained tensors) under their names; P, Q of PQ-LoRA
@@ -265,7 +330,7 @@ class FedMosaic(Method):
         pq = model.fedmosaic_pq
         out = {}
         for name, param in model.named_parameters():
-            if name not in trainable or name.endswith(GATE_NAME):
+            if name not in trainable or name.endswith(GATE_NAMES):
                 continue
             module, _, leaf = name.rpartition('.')
             if module.endswith(f'.{MOSAIC_ATTR}') and leaf in ('P', 'Q'):
@@ -273,13 +338,30 @@ class FedMosaic(Method):
             out[name] = param.detach().to('cpu').clone()
         return out
 
+    def extra_payload_shapes(self, model, cfg):
+        """The model-type ids, and RELA's sanitised gradient: N_s of W_s's chosen weight."""
+        shapes = {ARCH_KEY: ((), torch.int64), PIVOT_KEY: ((), torch.int64)}
+        if self.hparams.rela:
+            small = load_base(model_spec(self.pivot_config(cfg))).model
+            weight = gradient_weight(small, self.hparams.gradient_layer)
+            shapes[GRAD_KEY] = (max(1, round(self.hparams.gradient_keep * weight.numel())),)
+        return shapes
+
     def client_extra(self, model, state):
-        ema = state['rela'].end_round()
         own, pivot = state['type_ids']
-        return {GRAD_KEY: ema, ARCH_KEY: torch.tensor(own), PIVOT_KEY: torch.tensor(pivot)}
+        extra = {ARCH_KEY: torch.tensor(own), PIVOT_KEY: torch.tensor(pivot)}
+        if self.hparams.rela:
+            extra[GRAD_KEY] = state['rela'].end_round()
+        return extra
 
     def client_metrics(self, model, state):
-        gates = [float(m.mosaic.gate().detach()) for m in model.modules() if isinstance(m, MosaicLinear)]
+        """The mean gate σ(β) over the model's gates (each per-layer gate once)."""
+        betas = {}
+        for module in model.modules():
+            if isinstance(module, MosaicLinear):
+                beta = module.mosaic.beta_parameter()
+                betas[id(beta)] = beta
+        gates = [float(torch.sigmoid(b.detach())) for b in betas.values()]
         return {'fedmosaic_gate': mean(gates)} if gates else {}
 
     @torch.no_grad()
@@ -337,19 +419,25 @@ class FedMosaic(Method):
     def aggregate(self, server_state, updates):
         state = {key: dict(value) if isinstance(value, dict) else value
                  for key, value in server_state.items()}
+        rela = self.hparams.rela
         for update in updates:
-            missing = [k for k in (GRAD_KEY, ARCH_KEY, PIVOT_KEY) if k not in update.extra]
+            missing = [k for k in ((GRAD_KEY,) if rela else ()) + (ARCH_KEY, PIVOT_KEY)
+                       if k not in update.extra or update.extra[k] is None]
             if missing:
                 raise ValueError(f'FedMosaic: client {update.client_id} sent no {missing}')
             cid = update.client_id
             state['locals'][cid] = update.shared
-            state['grads'][cid] = update.extra[GRAD_KEY].to(torch.float32)
+            if rela:
+                state['grads'][cid] = update.extra[GRAD_KEY].to(torch.float32)
             state['archs'][cid] = int(update.extra[ARCH_KEY])
             state['pivots'][cid] = int(update.extra[PIVOT_KEY])
         ids = sorted(state['locals'])
         check_consistent(ids, state)
-        weights = rela_weights(torch.stack([state['grads'][c] for c in ids]),
-                               self.hparams.temperature, self.hparams.include_self)
+        if rela:
+            weights = rela_weights(torch.stack([state['grads'][c] for c in ids]),
+                                   self.hparams.temperature, self.hparams.include_self)
+        else:
+            weights = uniform_weights(len(ids), self.hparams.include_self)
         logger.info('FedMosaic RELA weights (rows: clients %s):\n%s', ids,
                     '\n'.join(' '.join(f'{w:.3f}' for w in row) for row in weights.tolist()))
         custom = customised_globals([state['locals'][c] for c in ids], weights,
@@ -379,11 +467,11 @@ def check_consistent(ids, state) -> None:
             raise ValueError(f'FedMosaic: client {cid} aligned to another pivot / W_s than client '
                              f'{first}; set fsplug.fedmosaic.pivot_builder and pivot_model_type '
                              f'to the same model in every process')
-        if state['grads'][cid].shape != state['grads'][first].shape:
+        if cid in state['grads'] and state['grads'][cid].shape != state['grads'][first].shape:
             raise ValueError(f'FedMosaic: client {cid} sent a RELA gradient of shape '
                              f'{tuple(state["grads"][cid].shape)}, client {first} '
                              f'{tuple(state["grads"][first].shape)} (fsplug.fedmosaic.'
-                             f'gradient_keep must be the same everywhere)')
+                             f'gradient_keep and gradient_layer must be the same everywhere)')
     shapes: dict[str, tuple[int, tuple]] = {}
     for cid in ids:
         for name, value in state['locals'][cid].items():

@@ -7,8 +7,12 @@ once to sums (aggregation.mosaic.AlignmentMoments), so memory does not grow with
 data (the paper aligns on 5000 samples). Per pair of PQ layers (same block, same module path
 inside the decoder layer), over all the public rows at once:
   A: the other model's A_j is fitted so that A_j x_j matches the pivot's A_i x_i, plus
-     λ‖A_j A_jᵀ − I‖², then projected to orthonormal rows (aggregation.mosaic.
-     align_a_from_moments);
+     λ‖A_j A_jᵀ − I‖², then projected to orthonormal rows. alignment_schedule = paper (A.17):
+     one epoch over the public records, one Adam step per batch of alignment_batch_size (4)
+     at alignment_lr (5e-5) on a cosine schedule, taken while the batches stream
+     (aggregation.mosaic.MiniBatchAlignment); full_batch: alignment_steps full-batch Adam steps
+     at alignment_full_batch_lr on the objective over all rows, from the sums
+     (aggregation.mosaic.align_a_from_moments);
   B: CCA between the B outputs B_i A_i x_i and B_j A_j x_j (with the aligned A_j), then
      B_j = (Π_j⁺)ᵀ Π_iᵀ B_i (aggregation.mosaic.b_output_cca, align_b).
 When both models tokenise the public records identically (same tokenizer and image
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -33,6 +38,7 @@ import torch
 
 from fs_plugins.aggregation.mosaic import (
     AlignmentMoments,
+    MiniBatchAlignment,
     a_alignment_loss_from_moments,
     align_a_from_moments,
     align_b,
@@ -44,7 +50,7 @@ from fs_plugins.core.seeding import derive_seed
 from fs_plugins.data.public import public_records
 from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.schema.specs import ModelSpec
-from fs_plugins.tuners.mosaic.layer import MosaicLinear
+from fs_plugins.tuners.mosaic.layer import GATE_ATTR, MOSAIC_ATTR, MosaicLinear
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +62,7 @@ def model_digest(model: torch.nn.Module) -> str:
     config = {k: v for k, v in base.config.to_dict().items() if k != '_name_or_path'}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for name, param in base.named_parameters():
-        if 'lora_' in name or '.mosaic.' in name:
+        if 'lora_' in name or f'.{MOSAIC_ATTR}.' in name or f'.{GATE_ATTR}.' in name:
             continue
         digest.update(name.encode())
         tensor = param.detach().to('cpu').contiguous()
@@ -154,11 +160,12 @@ def _rows(value: torch.Tensor, mask: torch.Tensor, per_token: bool, key: str) ->
 
 @torch.no_grad()
 def alignment_moments(pivot_model, pivot_codec, pivot_factors: dict, model, codec,
-                      records: list[dict], per_token: bool,
-                      batch_size: int = 8) -> dict[str, AlignmentMoments]:
+                      records: list[dict], per_token: bool, batch_size: int = 8,
+                      fit: Callable[[dict], None] | None = None) -> dict[str, AlignmentMoments]:
     """Streams `records` through both frozen bases batch by batch; per PQ key, the moments of
     the pivot's A outputs z = A_i x_i (A_i from `pivot_factors`) and the other model's layer
-    inputs x_j (aggregation.mosaic.AlignmentMoments), so no layer input is kept."""
+    inputs x_j (aggregation.mosaic.AlignmentMoments), so no layer input is kept. `fit`, if
+    given, is called with every batch's rows {key: (z, x)} (the paper's mini-batch fit of A)."""
     pivot_a = {key: a.to(torch.float64) for key, (a, _) in pivot_factors.items()}
     moments: dict[str, AlignmentMoments] = {}
     devices = (next(pivot_model.parameters()).device, next(model.parameters()).device)
@@ -172,12 +179,16 @@ def alignment_moments(pivot_model, pivot_codec, pivot_factors: dict, model, code
                 batch = {k: v.to(device) for k, v in batch.items()}
                 net(**batch)
                 masks.append(batch['attention_mask'].bool().cpu())
+            rows = {}
             for key, a in pivot_a.items():
                 z = _rows(pivot_inputs[key].cpu(), masks[0], per_token, key) @ a.T
                 x = _rows(other_inputs[key].cpu(), masks[1], per_token, key)
                 if key not in moments:
                     moments[key] = AlignmentMoments.zeros(z.shape[1], x.shape[1])
                 moments[key].add(z, x)
+                rows[key] = (z, x)
+            if fit is not None:
+                fit(rows)
             pivot_inputs.clear()
             other_inputs.clear()
     return moments
@@ -215,13 +226,16 @@ def check_pairing(pivot_keys, other_keys, pivot_r: int, other_r: int, other_name
 
 def compute_alignment(moments: dict[str, AlignmentMoments], pivot_factors: dict,
                       other_factors: dict, reg: float, steps: int,
-                      lr: float) -> tuple[dict, dict]:
-    """{pq key: (aligned A_j, aligned B_j)} and per key the A objective before / after."""
+                      lr: float, fitted_a: dict | None = None) -> tuple[dict, dict]:
+    """{pq key: (aligned A_j, aligned B_j)} and per key the A objective before / after.
+    `fitted_a` {key: A_j}: A already fitted (the paper's mini-batch schedule); else A is
+    fitted here with `steps` full-batch Adam steps at `lr`."""
     aligned, report = {}, {}
     for key in sorted(pivot_factors):
         _, b_i = pivot_factors[key]
         a_j, b_j = other_factors[key]
-        new_a = align_a_from_moments(moments[key], a_j, reg=reg, steps=steps, lr=lr)
+        new_a = (fitted_a[key].to(a_j.dtype) if fitted_a is not None else
+                 align_a_from_moments(moments[key], a_j, reg=reg, steps=steps, lr=lr))
         pi_i, pi_j = b_output_cca(moments[key], b_i, new_a, b_j)
         aligned[key] = (new_a, align_b(b_i, pi_i, pi_j).to(b_j.dtype))
         report[key] = tuple(float(a_alignment_loss_from_moments(moments[key], a.double(), reg))
@@ -284,10 +298,7 @@ def align_to_pivot(model, codec, spec: ModelSpec, pivot: Pivot, pivot_type: str,
     other_factors = lora_factors(model, model.fedmosaic_pq)
     r = rank_of(other_factors)
     check_pairing(pivot_factors, other_factors, rank_of(pivot_factors), r, name)
-    settings = {'seed': spec.seed, 'blocks': hp.num_blocks, 'placement': hp.placement,
-                'targets': sorted(spec.model.lora.target_modules),
-                'data': hp.alignment_data or spec.data.type_value, 'samples': hp.alignment_samples,
-                'reg': hp.alignment_reg, 'steps': hp.alignment_steps, 'lr': hp.alignment_lr}
+    settings = alignment_settings(spec, hp)
     path = alignment_path(hp.alignment_dir or default_folder(), pivot.digest,
                           model_digest(model), r, settings)
     if os.path.isfile(path):
@@ -302,10 +313,17 @@ def align_to_pivot(model, codec, spec: ModelSpec, pivot: Pivot, pivot_type: str,
                              derive_alignment_seed(spec.seed), 'fsplug.fedmosaic.alignment_data')
     pivot_model = pivot.model().model
     per_token = same_tokens(pivot.codec, codec, records)
+    fit = None
+    if hp.alignment_schedule == 'paper':
+        fit = MiniBatchAlignment({key: a for key, (a, _) in other_factors.items()},
+                                 paper_steps(len(records), hp.alignment_batch_size),
+                                 hp.alignment_lr, hp.alignment_reg)
     moments = alignment_moments(pivot_model, pivot.codec, pivot_factors, model, codec, records,
-                                per_token)
+                                per_token, hp.alignment_batch_size,
+                                fit.step if fit is not None else None)
     aligned, report = compute_alignment(moments, pivot_factors, other_factors, hp.alignment_reg,
-                                        hp.alignment_steps, hp.alignment_lr)
+                                        hp.alignment_steps, hp.alignment_full_batch_lr,
+                                        fit.result() if fit is not None else None)
     apply_alignment(model, model.fedmosaic_pq, aligned)
     save_alignment(path, aligned, {'pivot': pivot_type, 'model': spec.type_value, 'r': r,
                                    'per_token': per_token, **settings})
@@ -315,6 +333,25 @@ def align_to_pivot(model, codec, spec: ModelSpec, pivot: Pivot, pivot_type: str,
                 f"{len(records)} public records ({'per token' if per_token else 'per record'}): "
                 f"mean A objective {before:.4g} -> {after:.4g}; saved {path}")
     return path
+
+
+def paper_steps(samples: int, batch_size: int) -> int:
+    """Optimiser steps of the paper's schedule: one epoch of batches, ⌈samples / batch⌉."""
+    return max(1, math.ceil(samples / batch_size))
+
+
+def alignment_settings(spec: ModelSpec, hp) -> dict:
+    """Everything besides the two models and r that changes an alignment (its cache key)."""
+    settings = {'seed': spec.seed, 'blocks': hp.num_blocks, 'placement': hp.placement,
+                'targets': sorted(spec.model.lora.target_modules),
+                'data': hp.alignment_data or spec.data.type_value, 'samples': hp.alignment_samples,
+                'reg': hp.alignment_reg, 'schedule': hp.alignment_schedule,
+                'batch_size': hp.alignment_batch_size}
+    if hp.alignment_schedule == 'paper':
+        settings.update(lr=hp.alignment_lr, lr_schedule='cosine', epochs=1)
+    else:
+        settings.update(steps=hp.alignment_steps, lr=hp.alignment_full_batch_lr)
+    return settings
 
 
 def derive_alignment_seed(seed: int) -> int:

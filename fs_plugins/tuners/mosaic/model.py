@@ -1,6 +1,7 @@
 """Puts FedMosaic's layers on the modules peft has wrapped with LoRA: PQ-LoRA on the target
 modules of the block-end layers (`aggregation.mosaic.pq_block_layers`), conventional LoRA
-with a gate and a global copy on all others."""
+with a gate and a global copy on all others; the gates one per decoder layer (a `MosaicGate`
+child of the layer) or one per module."""
 from __future__ import annotations
 
 import re
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from fs_plugins.aggregation.mosaic import orthonormal_columns, orthonormal_rows, pq_block_layers
-from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR, MosaicLinear, MosaicState
+from fs_plugins.tuners.mosaic.layer import GATE_ATTR, MOSAIC_ATTR, MosaicGate, MosaicLinear, MosaicState
 
 _LAYER = re.compile(r'\.layers\.(\d+)\.(.+)$')
 
@@ -33,16 +34,28 @@ def pq_key(block: int, inner: str) -> str:
 
 
 def inject_mosaic(model: nn.Module, num_blocks: int, placement: str, q_init_std: float,
-                  seed: int) -> dict[str, str]:
+                  seed: int, gate: str = 'per_layer', pq_scale: str = 'none',
+                  pq_lora: bool = True) -> dict[str, str]:
     """Turns every peft LoRA Linear into a MosaicLinear; those in the block-end layers become
-    PQ-LoRA (A, B orthonormal and frozen). Returns {module name: pq key} of the PQ layers."""
+    PQ-LoRA (A, B orthonormal and frozen). Returns {module name: pq key} of the PQ layers.
+
+    gate: 'per_layer' (one β per decoder layer carrying LoRA, Eq. 7 / Algorithm 1) or
+    'per_module'; pq_scale: 'none' (Eq. 5) or 'alpha_over_r' (peft's scaling on PQ-LoRA too,
+    as the authors' code); pq_lora=False: conventional LoRA on every layer (the ablation
+    without PQ-LoRA; num_blocks and placement are then unused)."""
     from peft.tuners.lora import Linear as LoraLinear
-    num_layers = text_layer_count(model)
-    block_of = {layer: k for k, layer in enumerate(pq_block_layers(num_layers, num_blocks,
-                                                                   placement), start=1)}
+    if gate not in ('per_layer', 'per_module') or pq_scale not in ('none', 'alpha_over_r'):
+        raise ValueError(f"gate must be per_layer|per_module and pq_scale none|alpha_over_r, "
+                         f"got {gate!r}, {pq_scale!r}")
+    block_of = {}
+    if pq_lora:
+        num_layers = text_layer_count(model)
+        block_of = {layer: k for k, layer in enumerate(pq_block_layers(num_layers, num_blocks,
+                                                                       placement), start=1)}
     generator = torch.Generator().manual_seed(seed)
+    modules = dict(model.named_modules())
     pq_layers = {}
-    for name, module in model.named_modules():
+    for name, module in list(modules.items()):
         if not isinstance(module, LoraLinear) or isinstance(module, MosaicLinear):
             continue
         position = layer_position(name)
@@ -51,10 +64,27 @@ def inject_mosaic(model: nn.Module, num_blocks: int, placement: str, q_init_std:
         if block is not None:
             _make_frozen_orthonormal(lora_a, lora_b, generator)
             pq_layers[name] = pq_key(block, position[1])
+        layer_gate = (_layer_gate(modules, name, lora_a)
+                      if gate == 'per_layer' and position else None)
         module.__class__ = MosaicLinear
         module.add_module(MOSAIC_ATTR, MosaicState(lora_a, lora_b, block is not None,
-                                                   q_init_std, generator))
+                                                   q_init_std, generator, layer_gate,
+                                                   pq_scaled=pq_scale == 'alpha_over_r'))
     return pq_layers
+
+
+def decoder_layer_name(module_name: str) -> str | None:
+    """The name of the decoder layer a module sits in ('….layers.<i>'), or None."""
+    found = _LAYER.search(module_name)
+    return f'{module_name[:found.start()]}.layers.{found.group(1)}' if found else None
+
+
+def _layer_gate(modules: dict, name: str, like: torch.Tensor) -> MosaicGate:
+    """The decoder layer's MosaicGate, created on its first FedMosaic module."""
+    layer = modules[decoder_layer_name(name)]
+    if not hasattr(layer, GATE_ATTR):
+        layer.add_module(GATE_ATTR, MosaicGate(like.dtype, like.device))
+    return getattr(layer, GATE_ATTR)
 
 
 @torch.no_grad()

@@ -1,21 +1,39 @@
 """RELA's client side (paper §4.1, Eqs. 1-3, Algorithm 1): every f local steps, the gradient
-of the loss on the current batch with respect to the output layer (the "last layer", the LM
-head) of a small frozen pre-trained model W_s; each gradient is subsampled with the mask M
-all clients share and noised (Eq. 3); the round's sanitised gradients are averaged and
-folded into the client's EMA ĝ (Eq. 2), which is what the client uploads.
+of the mean cross-entropy on the current batch with respect to one "last layer" weight of a
+small frozen pre-trained model W_s; the client's gradients are folded into an EMA ĝ (Eq. 2)
+and subsampled with the mask M all clients share and noised (Eq. 3) into what it uploads.
 
-The output layer's gradient is computed in closed form from its input h and its logits z on
-the answer tokens (the positions whose next token has a label): ∂ℓ/∂W = (softmax(z) − y)ᵀ h / n,
-the gradient of the mean cross-entropy the training loss uses. This needs no backward pass
-and is exact for tied and untied heads alike (for a tied head it is the head's share of the
-gradient only, which is what "last layer" means).
+Which weight (`gradient_layer`):
+- 'last_down_proj' (default): the MLP down projection of W_s's last decoder layer
+  (`layers[-1].mlp.down_proj.weight`, hidden × intermediate), as the authors' code hooks it;
+  its size is what A.9's 8.6 % (3.4 % at N_s = 40 %) of a client's LoRA upload measures
+  (docs/fedmosaic.md). Computed with a backward pass of the batch's mean CE through W_s with
+  only that weight requiring grad (torch.autograd.grad: no .grad is left on W_s, and autograd
+  records only the final norm and the head after it).
+- 'lm_head': the output layer (vocab × hidden), in closed form from its input h and its logits
+  z on the answer tokens: ∂ℓ/∂W = (softmax(z) − y)ᵀ h / n. Exact for tied and untied heads
+  (for a tied head it is the head's share of the gradient only).
+
+In which order (`sanitise_order`):
+- 'equations' (default; Eqs. 2-3 and Fig. 2: "EMA updated to ĝ and then compressed to g̃"):
+  every gradient g(t) updates the full-size ĝ(t) = (1 − a)·ĝ(t−1) + a·g(t); at the round's end
+  the client sends g̃ = M ⊙ (ĝ + μ·ε) (the kept coordinates, fresh noise each upload).
+- 'algorithm' (Algorithm 1 and the authors' code): each gradient is subsampled and noised
+  at once, the round's sanitised gradients are averaged, and ĝ ← (1 − a)·ĝ + a·mean; ĝ (kept
+  coordinates only) is sent.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
 from fs_plugins.aggregation.mosaic import ema_update, sanitise_gradient, shared_mask
 from fs_plugins.data.instruction import IGNORE_INDEX
+
+GRADIENT_LAYERS = ('last_down_proj', 'lm_head')
+SANITISE_ORDERS = ('equations', 'algorithm')
+_DOWN_PROJ = re.compile(r'(?:^|\.)layers\.(\d+)\.mlp\.down_proj$')
 
 
 def output_layer(model: torch.nn.Module) -> torch.nn.Module:
@@ -26,10 +44,59 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
+def last_down_proj(model: torch.nn.Module) -> torch.nn.Module:
+    """The MLP down projection of the language model's last decoder layer (a vision tower's
+    layers left out)."""
+    found = {}
+    for name, module in model.named_modules():
+        match = _DOWN_PROJ.search(name)
+        if match and 'vision' not in name and isinstance(getattr(module, 'weight', None),
+                                                          torch.Tensor):
+            found[int(match.group(1))] = module
+    if not found:
+        raise ValueError(f'FedMosaic RELA (gradient_layer = last_down_proj): W_s '
+                         f'({type(model).__name__}) has no layers.<i>.mlp.down_proj; use '
+                         f"gradient_layer: 'lm_head'")
+    return found[max(found)]
+
+
+def gradient_weight(model: torch.nn.Module, gradient_layer: str) -> torch.Tensor:
+    """The weight of W_s whose gradient RELA takes."""
+    if gradient_layer == 'lm_head':
+        return output_layer(model).weight
+    if gradient_layer == 'last_down_proj':
+        return last_down_proj(model).weight
+    raise ValueError(f'gradient_layer must be one of {GRADIENT_LAYERS}, got {gradient_layer!r}')
+
+
 @torch.no_grad()
 def labelled_tokens(batch: dict) -> int:
-    """The positions whose next token has a label (what output_layer_gradient averages)."""
+    """The positions whose next token has a label (what the gradients average over)."""
     return int((batch['labels'][:, 1:] != IGNORE_INDEX).sum())
+
+
+def rela_gradient(model: torch.nn.Module, batch: dict, gradient_layer: str) -> torch.Tensor:
+    """∂ mean-CE / ∂ W of the chosen layer of frozen W_s on one batch, flattened float32."""
+    if gradient_layer == 'lm_head':
+        return output_layer_gradient(model, batch)
+    return weight_gradient(model, batch, gradient_weight(model, gradient_layer))
+
+
+def weight_gradient(model: torch.nn.Module, batch: dict, weight: torch.Tensor) -> torch.Tensor:
+    """∂ mean-CE / ∂ `weight` (a parameter of frozen `model`) on one batch by autograd,
+    flattened (numel,) float32; zeros when the batch has no labelled token. Only `weight`
+    requires grad during the pass, and its flag is restored; no .grad is written."""
+    if not labelled_tokens(batch):
+        return torch.zeros(weight.numel())
+    flag = weight.requires_grad
+    try:
+        with torch.enable_grad():
+            weight.requires_grad_(True)
+            loss = model(**batch).loss
+            gradient, = torch.autograd.grad(loss, [weight])
+    finally:
+        weight.requires_grad_(flag)
+    return gradient.detach().float().flatten()
 
 
 def output_layer_gradient(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -40,7 +107,8 @@ def output_layer_gradient(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     handle = head.register_forward_hook(
         lambda _m, args, out: seen.update(h=args[0].detach(), z=out.detach()))
     try:
-        model(**{k: v for k, v in batch.items() if k != 'labels'})
+        with torch.no_grad():
+            model(**{k: v for k, v in batch.items() if k != 'labels'})
     finally:
         handle.remove()
     labels = batch['labels'][:, 1:]
@@ -65,19 +133,24 @@ def step_gradient(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
 
 
 class RelaGradients:
-    """One client's RELA state: the shared mask, the round's sanitised gradients, the EMA.
+    """One client's RELA state: the shared mask, the EMA ĝ and, in 'algorithm' order, the
+    round's sanitised gradients.
 
     A due step's gradient is recorded per micro-batch (`record`, with its labelled tokens) and
-    sanitised once at the step's end: with gradient accumulation it is the gradient of the
-    step's whole batch, and the every-f count is in optimiser steps."""
+    used once at the step's end: with gradient accumulation it is the gradient of the step's
+    whole batch, and the every-f count is in optimiser steps."""
 
     def __init__(self, every: int, keep_fraction: float, noise_std: float, ema_ratio: float,
-                 mask_seed: int, noise_seed: int):
-        self.every, self.keep_fraction = every, keep_fraction
+                 mask_seed: int, noise_seed: int, order: str = 'equations'):
+        if order not in SANITISE_ORDERS:
+            raise ValueError(f'order must be one of {SANITISE_ORDERS}, got {order!r}')
+        self.every, self.keep_fraction, self.order = every, keep_fraction, order
         self.noise_std, self.ema_ratio, self.mask_seed = noise_std, ema_ratio, mask_seed
         self.generator = torch.Generator().manual_seed(noise_seed)
         self.mask: torch.Tensor | None = None
-        self.round: list[torch.Tensor] = []
+        self.round: list[torch.Tensor] = []      # 'algorithm': this round's sanitised gradients
+        # 'equations': the full-size EMA of raw gradients; 'algorithm': the EMA of the round
+        # means of sanitised gradients (kept coordinates)
         self.ema: torch.Tensor | None = None
         self.steps = 0
         self.step_parts: list[tuple[torch.Tensor, int]] = []   # (gradient, tokens) this step
@@ -91,15 +164,21 @@ class RelaGradients:
         self.step_parts.append((gradient.to('cpu', torch.float32), int(tokens)))
 
     def end_step(self) -> None:
-        if self.step_parts:
-            self._sanitise(step_gradient(self.step_parts))
-            self.step_parts = []
+        self._close_step()
         self.steps += 1
 
-    def _sanitise(self, gradient: torch.Tensor) -> None:
+    def _close_step(self) -> None:
+        if self.step_parts:
+            self._take(step_gradient(self.step_parts))
+            self.step_parts = []
+
+    def _take(self, gradient: torch.Tensor) -> None:
         if self.mask is None:
             self.mask = shared_mask(gradient.numel(), self.keep_fraction, self.mask_seed)
-        self.round.append(sanitise_gradient(gradient, self.mask, self.noise_std, self.generator))
+        if self.order == 'equations':
+            self.ema = ema_update(self.ema, gradient, self.ema_ratio)        # Eq. 2
+        else:
+            self.round.append(sanitise_gradient(gradient, self.mask, self.noise_std, self.generator))
 
     def state_dict(self) -> dict:
         """Everything that changes during the run (checkpoints); the options come from config."""
@@ -113,11 +192,14 @@ class RelaGradients:
         self.step_parts = [(gradient, int(tokens)) for gradient, tokens in state['step_parts']]
 
     def end_round(self) -> torch.Tensor | None:
-        """ĝ ← (1 − a)·ĝ + a·mean(this round's g̃) (Algorithm 1); the EMA, or None before any
-        gradient was taken."""
-        if self.step_parts:   # a step still open (its end_step not called)
-            self._sanitise(step_gradient(self.step_parts))
-            self.step_parts = []
+        """What the client uploads, or None before any gradient was taken.
+        'equations': g̃ = M ⊙ (ĝ + μ·ε) of the EMA of every gradient so far (Eq. 3);
+        'algorithm': ĝ ← (1 − a)·ĝ + a·mean(this round's g̃), sent as it is (Algorithm 1)."""
+        self._close_step()     # a step still open (its end_step not called)
+        if self.order == 'equations':
+            if self.ema is None:
+                return None
+            return sanitise_gradient(self.ema, self.mask, self.noise_std, self.generator)
         if self.round:
             self.ema = ema_update(self.ema, torch.stack(self.round).mean(dim=0), self.ema_ratio)
             self.round = []

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# FedMosaic's ablations (paper Table 7, Table 29, Table 30, Figs. 16-17) as one grid of runs on
+# the heterogeneous PFL-Dynamic federations, one run per cell and seed, each the YAML with
+# fsplug.fedmosaic.* overrides (docs/fedmosaic.md#ablations):
+#   full        FedMosaic as configured (RELA + PQ-LoRA, the paper's defaults)
+#   vanilla     rela False, pq_lora False   Table 7 'Vanilla' (same-type clients, equal weights)
+#   no_rela     rela False                  Table 7 '(+) PQ-LoRA' = Table 30 'Equal-weight aggregation'
+#   no_pq       pq_lora False               RELA over conventional LoRA only (not in Table 7)
+#   nb<N>       num_blocks N                Table 29 (N_B); tiny: 1 2 (2-layer pivot), easyvqa: 2 4 8
+#   ema<a>      ema_ratio a                 Fig. 17 (0.1, 0.9; 1.0 ~ Table 30 'Frozen model gradients')
+#   keep<N_s>   gradient_keep N_s           Fig. 16 (gradient sampling ratio: 0.1, 1.0)
+# Usage: bash scripts/fedmosaic_ablations.sh [tiny|easyvqa] [seed ...]   (default: tiny 1)
+#   CELLS="full no_rela" bash scripts/fedmosaic_ablations.sh tiny 1    runs only those cells
+#   DRY=1 bash scripts/fedmosaic_ablations.sh easyvqa 1 2 3            prints the commands
+#   EXTRA="federate.total_round_num 2" ...                             more overrides for every run
+# Results: exp/fedmosaic_ablations/<setup>/seed<s>/<cell>/ (results.jsonl), then A_last and
+# A_AUC of Self (test_token_acc) and Others (others_token_acc) per cell via scripts/compare.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+setup=${1:-tiny}
+shift || true
+seeds=("${@:-1}")
+read -r -a seeds <<< "${seeds[*]}"
+case "$setup" in
+  tiny)
+    base=(--cfg yamls/fedmosaic/tiny.yaml --client_cfg yamls/fedmosaic/tiny_clients.yaml
+          data.splitter iid federate.total_round_num 12 fsplug.data.task_field category
+          fsplug.data.dynamic True fsplug.data.task_order rotated fsplug.data.evaluate_others True)
+    blocks=(1 2) ;;
+  easyvqa)
+    base=(--cfg yamls/fedmosaic/easyvqa_dynamic.yaml
+          --client_cfg yamls/fedmosaic/easyvqa_dynamic_clients.yaml)
+    blocks=(2 4 8) ;;
+  *) echo "usage: $0 [tiny|easyvqa] [seed ...]" >&2; exit 2 ;;
+esac
+declare -A overrides=(
+  [full]=''
+  [vanilla]='fsplug.fedmosaic.rela False fsplug.fedmosaic.pq_lora False'
+  [no_rela]='fsplug.fedmosaic.rela False'
+  [no_pq]='fsplug.fedmosaic.pq_lora False'
+  [ema0.1]='fsplug.fedmosaic.ema_ratio 0.1'
+  [ema0.9]='fsplug.fedmosaic.ema_ratio 0.9'
+  [ema1]='fsplug.fedmosaic.ema_ratio 1.0'
+  [keep0.1]='fsplug.fedmosaic.gradient_keep 0.1'
+  [keep1]='fsplug.fedmosaic.gradient_keep 1.0'
+)
+order=(full vanilla no_rela no_pq)
+for n in "${blocks[@]}"; do
+  overrides[nb$n]="fsplug.fedmosaic.num_blocks $n"
+  order+=("nb$n")
+done
+order+=(ema0.1 ema0.9 ema1 keep0.1 keep1)
+read -r -a cells <<< "${CELLS:-${order[*]}}"
+read -r -a extra <<< "${EXTRA:-}"
+runs=()
+for seed in "${seeds[@]}"; do
+  for cell in "${cells[@]}"; do
+    [ -n "${overrides[$cell]+set}" ] || { echo "unknown cell $cell (cells: ${order[*]})" >&2; exit 2; }
+    read -r -a cell_opts <<< "${overrides[$cell]}"
+    out=exp/fedmosaic_ablations/$setup/seed$seed/$cell
+    cmd=(fs-plugins run --runner embedded "${base[@]}" seed "$seed" fsplug.method fedmosaic
+         "${cell_opts[@]}" "${extra[@]}" fsplug.results_dir "$out")
+    if [ -n "${DRY:-}" ]; then echo "${cmd[*]}"; continue; fi
+    mkdir -p "$out"
+    "${cmd[@]}" > "$out.log" 2>&1 || { tail -30 "$out.log"; exit 1; }
+    runs+=("$out")
+  done
+done
+[ -n "${DRY:-}" ] && exit 0
+for metric in test_token_acc others_token_acc; do
+  python scripts/compare.py "${runs[@]}" --metric "$metric" --auc
+  echo
+done
