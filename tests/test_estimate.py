@@ -1,9 +1,13 @@
 """`fs-plugins estimate`: parameter and byte counts equal those of the real build, saved
-activations are counted exactly, and the peak is checked against a measured one on the CPU."""
+activations are counted exactly, the peak is checked against a measured one on the CPU, the
+papers' architectures ship with the package and size offline, and the communication columns
+(extra payloads, FedAvg-LoRA's upload, the paper's claim) are those of the real method."""
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -13,7 +17,16 @@ from fs_plugins.commands.cli import main as cli_main
 from fs_plugins.commands.estimate import estimate_client, saved_activation_bytes
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.models.builders import (
+    ARCHITECTURES_DIR,
+    shipped_architecture,
+    shipped_architecture_name,
+    shipped_architectures,
+    shipped_config,
+)
 from fs_plugins.run.config import load_config
+
+OFFLINE = dict(os.environ, HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1', HF_DATASETS_OFFLINE='1')
 
 
 class Toy(torch.nn.Module):
@@ -42,11 +55,14 @@ def test_counts_equal_the_real_model(tmp_path, method):
     params = dict(built.model.named_parameters())
     trainable = sum(params[n].numel() for n in built.trainable_names)
     sent = real_method.shared_tensors(built.model, built.trainable_names)
+    extra = real_method.client_extra(built.model, real_method.init_client_state(built.model, cfg))
     assert estimate.trainable_params == trainable
     assert estimate.frozen_params == sum(p.numel() for p in params.values()) - trainable
     assert estimate.sent_params == sum(t.numel() for t in sent.values())
+    assert estimate.mb_extra == pytest.approx(sum(t.numel() * t.element_size() for t in extra.values()) / 1e6)
     assert estimate.mb_up == pytest.approx(sum(t.numel() * t.element_size()
-                                               for t in sent.values()) / 1e6)
+                                               for t in [*sent.values(), *extra.values()]) / 1e6)
+    assert (method == 'flame') == (estimate.mb_extra > 0)
     assert estimate.peak_checkpointed_gib < estimate.peak_gib
     assert estimate.note == ''
 
@@ -80,3 +96,130 @@ def test_estimate_is_near_the_measured_cpu_peak():
     assert len(rows) == 4
     for row in rows:
         assert 0.6 <= float(row[6]) <= 1.5, row
+
+
+# ---------------------------------------------------------------- shipped architectures
+# hub id -> published total parameter count (the model as its architectures[0] class builds it)
+PAPER_COUNTS = {
+    'allenai/OLMoE-1B-7B-0924': 6.92e9,
+    'allenai/OLMo-1B-hf': 1.18e9,
+    'llava-hf/llava-1.5-7b-hf': 7.06e9,
+    'lmsys/vicuna-7b-v1.5': 6.74e9,
+    'meta-llama/Llama-2-7b-hf': 6.74e9,
+    'meta-llama/Llama-2-13b-hf': 13.02e9,
+    'meta-llama/Llama-3.2-1B': 1.24e9,
+    'meta-llama/Llama-3.2-3B': 3.21e9,
+    'Qwen/Qwen2.5-0.5B-Instruct': 0.494e9,
+    'Qwen/Qwen2.5-1.5B-Instruct': 1.54e9,
+    'Qwen/Qwen2.5-3B-Instruct': 3.09e9,
+    'Qwen/Qwen2.5-7B-Instruct': 7.62e9,
+    'Qwen/Qwen2-VL-7B-Instruct': 8.29e9,
+    'FacebookAI/roberta-large': 355e6,
+}
+
+
+def test_every_shipped_architecture_has_a_known_count():
+    assert sorted(PAPER_COUNTS) == sorted(shipped_architectures())
+
+
+@pytest.mark.parametrize('name', sorted(PAPER_COUNTS))
+def test_shipped_architecture_builds_at_the_real_size(name):
+    import transformers
+    from transformers import AutoConfig
+    raw = shipped_architecture(name)
+    assert raw['_source'] and 'weight' not in json.dumps(raw).replace('no weights', '')
+    config = AutoConfig.for_model(**raw)
+    assert type(config) is type(shipped_config(name))
+    with torch.device('meta'):
+        model = getattr(transformers, raw['architectures'][0])._from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    assert count == pytest.approx(PAPER_COUNTS[name], rel=0.01), f'{name}: {count:,}'
+
+
+def test_shipped_names_resolve():
+    assert shipped_architecture_name('allenai/OLMoE-1B-7B-0924') == 'allenai/OLMoE-1B-7B-0924'
+    assert shipped_architecture_name('LMSYS/Vicuna-7B-v1.5') == 'lmsys/vicuna-7b-v1.5'
+    assert shipped_architecture_name('roberta-large') == 'FacebookAI/roberta-large'
+    assert shipped_architecture_name('nobody/nothing') is None
+    assert all(f.endswith('.json') and '/' not in f[:-5] for f in os.listdir(ARCHITECTURES_DIR))
+
+
+def test_setup_installs_the_architectures():
+    with open(os.path.join(REPO, 'setup.py'), encoding='utf-8') as handle:
+        assert "'fs_plugins.models': ['architectures/*.json']" in handle.read()
+
+
+def test_paper_yaml_estimates_offline_in_seconds():
+    """yamls/flame/alpagasus_flame.yaml (OLMoE-1B-7B from the hub id) with the hub off: the
+    architecture ships, nothing is fetched; parameters and communication without the
+    activation probe (which builds and runs 1-2 layer models: minutes at this width)."""
+    code = ('from fs_plugins.run.config import load_config\n'
+            'from fs_plugins.commands.estimate import estimate_run, format_table\n'
+            "cfg = load_config('yamls/flame/alpagasus_flame.yaml', [])\n"
+            'print(format_table(estimate_run(cfg, activations=False)))\n')
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, '-c', code], cwd=REPO, env=OFFLINE, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - start < 120
+    assert '| 1 | 6,919,161,856 |' in proc.stdout
+    assert re.search(r'^\| 1-4 \| 776\.0 \(0\.008\) \| .* \| 775\.9 \| 1\.000 \| – \|$', proc.stdout, re.M), proc.stdout
+
+
+def test_unknown_model_fails_at_once_naming_model_type(tmp_path, capsys):
+    start = time.monotonic()
+    assert cli_main(['estimate', '--cfg', os.path.join(REPO, 'yamls', 'flame', 'alpagasus_flame.yaml'),
+                     'model.type', 'nobody/nothing@fsplug_llm', 'data.root', str(tmp_path)]) == 2
+    assert time.monotonic() - start < 30
+    err = capsys.readouterr().err
+    assert "model.type = 'nobody/nothing@fsplug_llm'" in err
+    assert 'allenai/OLMoE-1B-7B-0924' in err and 'the hub is not asked' in err
+
+
+# ---------------------------------------------------------------- communication
+@pytest.mark.parametrize('method', ['flame', 'flora'])
+def test_extra_payload_shapes_match_client_extra(tmp_path, method):
+    cfg = load_config(tiny_yaml_of(method), ['data.root', str(tmp_path)])
+    real_method = get_method_class(method)(cfg)
+    built = build_model(cfg, real_method, share_frozen=False)
+    extra = real_method.client_extra(built.model, real_method.init_client_state(built.model, cfg))
+    shapes = real_method.extra_payload_shapes(built.model, cfg)
+    assert extra and sorted(shapes) == sorted(extra)
+    for key, tensor in extra.items():
+        value = shapes[key]
+        shape, dtype = (value if len(value) == 2 and isinstance(value[1], torch.dtype)
+                        else (value, torch.float32))
+        assert (tuple(shape), dtype) == (tuple(tensor.shape), tensor.dtype), key
+
+
+def test_scaffold_extra_is_one_control_per_shared_tensor(tmp_path):
+    cfg = load_config(tiny_yaml_of('scaffold'), ['data.root', str(tmp_path)])
+    method = get_method_class('scaffold')(cfg)
+    built = build_model(cfg, method, share_frozen=False)
+    sent = method.shared_tensors(built.model, built.trainable_names)
+    shapes = method.extra_payload_shapes(built.model, cfg)
+    assert sorted(tuple(v) for v in shapes.values()) == sorted(tuple(t.shape) for t in sent.values())
+    estimate = estimate_client(cfg, 1, activations=False)
+    assert estimate.mb_up == pytest.approx(2 * estimate.fedavg_mb_up)
+
+
+def test_fedavg_ratio_and_claims(tmp_path):
+    fedmole = estimate_client(load_config(tiny_yaml_of('fedmole'), ['data.root', str(tmp_path)]), 1,
+                              activations=False)
+    assert fedmole.up_ratio == pytest.approx(1.0)
+    assert fedmole.claim_ratio == 1.0 and 'Table 5' in fedmole.claim_source
+    fedsa = estimate_client(load_config(tiny_yaml_of('fedsa'), ['data.root', str(tmp_path)]), 1,
+                            activations=False)
+    assert fedsa.up_ratio == pytest.approx(0.5)   # A only
+    assert fedsa.claim_ratio is None and fedsa.claim_source == ''
+    assert get_method_class('uniflow').contract.claim.up_ratio == 1.0
+    claim = get_method_class('smartfed').contract.claim
+    assert claim.up_ratio is None and 'router' in claim.source
+
+
+def test_cli_prints_the_communication_table(tmp_path, capsys):
+    assert cli_main(['estimate', '--cfg', tiny_yaml_of('fedmole'), 'data.root', str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert 'FedAvg-LoRA MB up' in out and "paper's up ratio" in out
+    assert re.search(r'^\| 1-4 \| .* \| 1\.000 \| 1\.000 \|$', out, re.M), out
+    assert out.rstrip().splitlines()[-1].startswith('paper: Fed-MoLE paper')

@@ -12,6 +12,16 @@ the bytes up and down per round. No pretrained weight is read.
   when backward starts, the logits the forward returned and the gradients of the log-softmax
   and of the logits exist beside the saved log-softmax. With checkpointing, activations are
   the layer inputs plus one layer recomputed.
+- Communication per client and round, from the whole model on the meta device: up = the
+  method's shared tensors (`Method.shared_tensors`) + its extra payload (`Method.
+  extra_payload_shapes`, the shapes of what `client_extra` sends); down = what `content_for`
+  gives the client after one aggregation of such updates (after none, or up, where the method's
+  server cannot run on shapes alone). Beside them FedAvg-LoRA's upload on the same builder,
+  model.type and fsplug.model.lora, their ratio, and the paper's ratio where the method's
+  `contract.claim` declares one.
+
+model.type is a local folder with a config.json or a hub id whose architecture ships with
+fs_plugins (fs_plugins/models/architectures/); the hub is never asked.
 """
 from __future__ import annotations
 
@@ -21,11 +31,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.methods.base import ClientUpdate, Method, PaperClaim
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import architecture_only
 from fs_plugins.models.precision import QUANTIZED_BYTES
 from fs_plugins.run.config import client_config, client_overrides
+from fs_plugins.schema.options import Cfg, to_plain
 
 GIB = 1024 ** 3
 # optimiser state bytes per trainable float32 parameter, by train.optimizer.type
@@ -46,11 +58,21 @@ class Estimate:
     activations_checkpointed_gib: float | None
     peak_gib: float | None
     peak_checkpointed_gib: float | None
-    mb_up: float
+    mb_up: float          # shared tensors + extra payload
     mb_down: float
     batch: int
     seq_len: int
     note: str = ''
+    mb_extra: float = 0.0           # the extra payload alone (in mb_up)
+    fedavg_mb_up: float | None = None   # FedAvg-LoRA on the same model and LoRA settings
+    down_note: str = ''             # how mb_down was found when not after one aggregation
+    claim_ratio: float | None = None    # the paper's up ratio (contract.claim), if any
+    claim_source: str = ''
+
+    @property
+    def up_ratio(self) -> float | None:
+        """This method's upload over FedAvg-LoRA's (None without a LoRA baseline)."""
+        return self.mb_up / self.fedavg_mb_up if self.fedavg_mb_up else None
 
 
 def optimizer_state_bytes(optimizer_cfg) -> int:
@@ -74,6 +96,100 @@ def frozen_weight_bytes(model: torch.nn.Module, frozen: dict, quantization: str)
 
 def _tensor_bytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# ---------------------------------------------------------------- communication
+META_ERRORS = (NotImplementedError, RuntimeError, KeyError, TypeError, ValueError, AttributeError,
+               IndexError, ZeroDivisionError)
+
+
+def payload_tensors(shapes: dict) -> dict[str, torch.Tensor]:
+    """Meta tensors for `Method.extra_payload_shapes`' {key: shape (float32) or (shape, dtype)}."""
+    tensors = {}
+    for key, value in shapes.items():
+        shape, dtype = ((value[0], value[1]) if len(value) == 2 and isinstance(value[1], torch.dtype)
+                        else (value, torch.float32))
+        tensors[key] = torch.empty(tuple(shape), dtype=dtype, device='meta')
+    return tensors
+
+
+def shared_on_meta(method, model: torch.nn.Module, trainable_names) -> dict[str, torch.Tensor] | None:
+    """The tensors `method` uploads from `model` built on the meta device (shapes and dtypes
+    only); None when its `shared_tensors` needs real values."""
+    if getattr(method.shared_tensors, '__func__', None) is Method.shared_tensors:
+        trainable = set(trainable_names)   # the default: trainable tensors that is_shared picks
+        return {n: p for n, p in model.named_parameters() if n in trainable and method.is_shared(n)}
+    try:
+        return method.shared_tensors(model, trainable_names)
+    except META_ERRORS:
+        return None
+
+
+# below this many bytes of uploads, the server's first round runs on zero tensors (exact down)
+REAL_ROUND_BYTES = 32 * 1024 ** 2
+BEFORE_AGGREGATION = "down = the server's content before any aggregation"
+
+
+def _content_bytes(content: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in content.values() if isinstance(t, torch.Tensor))
+
+
+def download_bytes(method_cls, cfg, shared: dict, extra: dict, client: int) -> tuple[int, str]:
+    """(bytes client `client` receives per round, '' or how they were found): `content_for`
+    after one aggregation of two clients' zero uploads of these shapes when they are small
+    (REAL_ROUND_BYTES); otherwise, or where the server cannot run so, `content_for` on the
+    initial state (shapes only: a method whose content grows after aggregating, e.g. FLoRA's
+    merged update, is under-counted), or the upload itself."""
+    if _tensor_bytes(shared) + _tensor_bytes(extra) <= REAL_ROUND_BYTES:
+        def zeros(tensors):
+            return {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in tensors.items()}
+        try:
+            server, real = method_cls(cfg), zeros(shared)
+            state = server.init_server_state(dict(real))
+            updates = [ClientUpdate(cid, 1, dict(real), zeros(extra), dataset_size=1) for cid in (1, 2)]
+            return _content_bytes(server.content_for(server.aggregate(state, updates), client)), ''
+        except META_ERRORS:
+            pass
+    try:
+        server = method_cls(cfg)
+        return _content_bytes(server.content_for(server.init_server_state(dict(shared)), client)), BEFORE_AGGREGATION
+    except META_ERRORS:
+        return _tensor_bytes(shared), 'down = the shared tensors (server not run on shapes)'
+
+
+def fedavg_lora_up_bytes(cfg) -> int | None:
+    """Bytes FedAvg-LoRA uploads per client and round on the same builder, model.type and
+    fsplug.model.lora (its shared tensors are its trainable LoRA factors, plus any module the
+    builder or fsplug.model.vision trains); None when the model gets no LoRA tensor."""
+    plain = to_plain(cfg)
+    plain['fsplug']['method'] = 'fedavg'
+    plain['fsplug']['model']['adapter'] = 'lora'
+    plain['fsplug']['model']['quantization'] = 'none'
+    fedavg_cfg = Cfg.wrap(plain)
+    method = get_method_class('fedavg')(fedavg_cfg)
+    with architecture_only(device='meta'):
+        built = build_model(fedavg_cfg, method, share_frozen=False)
+    shared = shared_on_meta(method, built.model, built.trainable_names)
+    return _tensor_bytes(shared) or None
+
+
+def communication(method_cls, method, cfg, built, client: int) -> dict:
+    """Estimate fields for the bytes up and down per round (see the module docstring)."""
+    shared = shared_on_meta(method, built.model, built.trainable_names)
+    with architecture_only(device='meta'):   # a model the method loads for it (FedMosaic's W_s)
+        extra = payload_tensors(method.extra_payload_shapes(built.model, cfg))
+    fields: dict = {}
+    if shared is not None:
+        down, how = download_bytes(method_cls, cfg, shared, extra, client)
+        fields.update(sent_params=sum(t.numel() for t in shared.values()),
+                      shared_bytes=_tensor_bytes(shared), mb_down=down / 1e6, down_note=how)
+    fields['mb_extra'] = _tensor_bytes(extra) / 1e6
+    fedavg = fedavg_lora_up_bytes(cfg)
+    fields['fedavg_mb_up'] = None if fedavg is None else fedavg / 1e6
+    claim: PaperClaim | None = method_cls.contract.claim
+    if claim is not None:
+        fields.update(claim_ratio=claim.up_ratio, claim_source=claim.source)
+    return fields
 
 
 # ---------------------------------------------------------------- activations
@@ -195,7 +311,9 @@ def scaled_probe(probe, depths: dict, batch: int, checkpointing: bool) -> torch.
 
 
 # ---------------------------------------------------------------- per client
-def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
+def estimate_client(cfg, client: int, seq_len: int | None = None, activations: bool = True) -> Estimate:
+    """One client's estimate; `activations` False skips the activation probe (the forwards at
+    1-2 layers: seconds instead of minutes at 7B widths) and leaves those columns empty."""
     method_cls = get_method_class(cfg.fsplug.method)
     method = method_cls(cfg)
     if cfg.fsplug.model.quantization != 'none' and method.modifies_frozen_weights:
@@ -215,26 +333,38 @@ def estimate_client(cfg, client: int, seq_len: int | None = None) -> Estimate:
     optimizer = optimizer_state_bytes(cfg.train.optimizer) * trainable_count
     static = weights + 2 * adapters + optimizer
     batch, seq = int(cfg.dataloader.batch_size), int(seq_len or cfg.llm.tok_len)
+    comm = communication(method_cls, method, cfg, built, client)
     acts, sent, note = (None,) * 4, (4.0 * trainable_count, trainable_count), ''
-    try:
-        depths = _depths(model.config)
-        probe = memoised_probe(cfg, method_cls, seq)
-        plain = scaled_probe(probe, depths, batch, False)
-        checkpointed = scaled_probe(probe, depths, batch, True)
-        transient = 2 * plain[1]
-        acts = (plain[0] / GIB, checkpointed[0] / GIB, (static + plain[0] + transient) / GIB,
-                (static + checkpointed[0] + transient) / GIB)
-        sent = (float(plain[2]), int(plain[3]))
-    except (ConfigError, AttributeError, NotImplementedError, RuntimeError, ValueError) as exc:
-        note = f'no activation probe (sent = trainable): {str(exc)[:200]}'
+    if 'shared_bytes' in comm:
+        sent = (float(comm.pop('shared_bytes')), int(comm.pop('sent_params')))
+    if activations:
+        try:
+            depths = _depths(model.config)
+            probe = memoised_probe(cfg, method_cls, seq)
+            plain = scaled_probe(probe, depths, batch, False)
+            checkpointed = scaled_probe(probe, depths, batch, True)
+            transient = 2 * plain[1]
+            acts = (plain[0] / GIB, checkpointed[0] / GIB, (static + plain[0] + transient) / GIB,
+                    (static + checkpointed[0] + transient) / GIB)
+            if 'down_note' not in comm:   # shared tensors need values: the probe's, scaled
+                sent = (float(plain[2]), int(plain[3]))
+        except (ConfigError, AttributeError, NotImplementedError, RuntimeError, ValueError) as exc:
+            note = f'no activation probe: {str(exc)[:200]}'
+    else:
+        note = 'activations not probed'
+    if 'down_note' not in comm:
+        note = '; '.join(filter(None, [note, 'sent = trainable' if not activations or acts[0] is None
+                                      else 'sent scaled from the probe']))
+        comm.update(mb_down=sent[0] / 1e6, down_note='down = up')
+    mb_up = (sent[0] + comm['mb_extra'] * 1e6) / 1e6
     return Estimate(client, sum(p.numel() for p in frozen.values()), trainable_count, sent[1],
                     weights / GIB, adapters / GIB, optimizer / GIB,
                     *[None if a is None else float(a) for a in acts],
-                    mb_up=sent[0] / 1e6, mb_down=sent[0] / 1e6, batch=batch, seq_len=seq,
-                    note=note)
+                    mb_up=mb_up, batch=batch, seq_len=seq, note=note, **comm)
 
 
-def estimate_run(cfg, client_cfgs=None, seq_len: int | None = None) -> list[Estimate]:
+def estimate_run(cfg, client_cfgs=None, seq_len: int | None = None,
+                 activations: bool = True) -> list[Estimate]:
     """One estimate per client (clients with the same effective config are probed once)."""
     overrides = client_overrides(client_cfgs, cfg)
     clients = range(1, max(int(cfg.federate.client_num), 1) + 1)
@@ -244,9 +374,45 @@ def estimate_run(cfg, client_cfgs=None, seq_len: int | None = None) -> list[Esti
         ccfg = client_config(cfg, overrides.get(cid))
         key = repr(overrides.get(cid))
         if key not in done:
-            done[key] = estimate_client(ccfg, cid, seq_len)
+            done[key] = estimate_client(ccfg, cid, seq_len, activations)
         estimates.append(Estimate(**{**asdict(done[key]), 'client': cid}))
     return estimates
+
+
+def _client_ranges(clients: list[int]) -> str:
+    """'1-4, 7' for [1, 2, 3, 4, 7]."""
+    runs: list[list[int]] = []
+    for cid in clients:
+        if runs and cid == runs[-1][-1] + 1:
+            runs[-1].append(cid)
+        else:
+            runs.append([cid])
+    return ', '.join(str(r[0]) if len(r) == 1 else f'{r[0]}-{r[-1]}' for r in runs)
+
+
+def communication_table(estimates: list[Estimate]) -> str:
+    """Bytes per client and round beside FedAvg-LoRA's and the paper's ratio; clients with the
+    same figures share a row."""
+    def ratio(value):
+        return '–' if value is None else f'{value:.3f}'
+    groups: dict[tuple, list[int]] = {}
+    for e in estimates:
+        key = (e.mb_up, e.mb_extra, e.mb_down, e.fedavg_mb_up, e.up_ratio, e.claim_ratio, e.down_note)
+        groups.setdefault(key, []).append(e.client)
+    rows = ['| clients | MB up (of it extra) | MB down | FedAvg-LoRA MB up | up ratio vs FedAvg-LoRA '
+            '| paper\'s up ratio |', '|' + '---|' * 6]
+    for (up, extra, down, fedavg, measured, claimed, _), clients in groups.items():
+        fedavg_cell = '–' if fedavg is None else f'{fedavg:.1f}'
+        claim_cell = ('–' if not estimates[0].claim_source else
+                      'no ratio' if claimed is None else ratio(claimed))
+        rows.append(f'| {_client_ranges(clients)} | {up:.1f} ({extra:.3f}) | {down:.1f} | {fedavg_cell} | '
+                    f'{ratio(measured)} | {claim_cell} |')
+    notes = sorted({e.down_note for e in estimates if e.down_note})
+    lines = rows + ['per round; up = shared tensors + extra payload (Method.extra_payload_shapes), '
+                    'down = what the server sends the client' + (f' ({"; ".join(notes)})' if notes else '')]
+    if estimates[0].claim_source:
+        lines.append(f'paper: {estimates[0].claim_source}')
+    return '\n'.join(lines)
 
 
 def format_table(estimates: list[Estimate]) -> str:
@@ -266,4 +432,5 @@ def format_table(estimates: list[Estimate]) -> str:
     notes = [f'client {e.client}: {e.note}' for e in estimates if e.note]
     first = estimates[0]
     return '\n'.join(rows + [f'batch {first.batch} × {first.seq_len} text tokens per sample '
-                             f'(plus image tokens); down = the aggregate of what is sent'] + notes)
+                             f'(plus image tokens)'] + notes
+                     + ['', 'Communication per client and round:', communication_table(estimates)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import logging
 import os
 import re
@@ -12,13 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fs_plugins.core.cache import ensure_cached_dir
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.registry import ADAPTERS, MODEL_BUILDERS
 from fs_plugins.models.codecs import Codec, TextCodec
 from fs_plugins.models.olmoe import check_olmoe, ensure_tiny_olmoe, prepare_olmoe
 from fs_plugins.models.precision import DTYPES, quantization_kwargs
 from fs_plugins.models.smollm2 import ensure_smollm2
-from fs_plugins.models.tiny import ensure_tiny_llama, ensure_tiny_llama_large
+from fs_plugins.models.tiny import build_tokenizer, ensure_tiny_llama, ensure_tiny_llama_large
 from fs_plugins.schema.specs import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -37,13 +39,136 @@ def architecture_only(device: str = 'meta', layers: dict[str, int] | None = None
     """Within this context `load_weights` builds each base model from its config alone, on
     `device` with random weights ('meta': shapes only, nothing allocated), with the layer counts
     `layers` ({'text': n, 'vision': m}: the language model's, the vision tower's) instead of the
-    config's when given. Tokenizers and processors still load. `fs-plugins estimate` sizes
-    models this way."""
+    config's when given. `fs-plugins estimate` sizes models this way, and never asks the hub:
+    model.type is a local folder with a config.json, or a hub id whose architecture ships with
+    fs_plugins (`shipped_architectures()`: its config, and a tiny local stand-in for its
+    tokenizer or processor, which the estimate does not use); anything else fails at once
+    (`resolve_architecture`)."""
     token = _ARCHITECTURE_ONLY.set({'device': device, 'layers': layers or {}})
     try:
         yield
     finally:
         _ARCHITECTURE_ONLY.reset(token)
+
+
+# ---------------------------------------------------------------- shipped architectures
+# config.json of the papers' models (no weights, no tokenizer), one file per hub id with '/'
+# written '--'; each carries a `_source` note, which transformers keeps as an attribute
+ARCHITECTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'architectures')
+
+
+def shipped_architectures() -> list[str]:
+    """Hub ids whose architecture config ships with fs_plugins (sorted)."""
+    if not os.path.isdir(ARCHITECTURES_DIR):
+        return []
+    return sorted(name[:-len('.json')].replace('--', '/') for name in os.listdir(ARCHITECTURES_DIR)
+                  if name.endswith('.json'))
+
+
+def shipped_architecture_name(path: str) -> str | None:
+    """The shipped hub id that model.type's path names: the hub id itself, or its part after
+    '/' when that is unique (e.g. 'roberta-large'), case-insensitively; None when none does."""
+    wanted = path.strip().rstrip('/').lower()
+    names = shipped_architectures()
+    exact = [n for n in names if n.lower() == wanted]
+    if exact:
+        return exact[0]
+    short = [n for n in names if n.split('/')[-1].lower() == wanted]
+    return short[0] if len(short) == 1 else None
+
+
+def shipped_architecture(name: str) -> dict:
+    """The shipped config.json of hub id `name` as a dict (`_source` included)."""
+    with open(os.path.join(ARCHITECTURES_DIR, name.replace('/', '--') + '.json'), encoding='utf-8') as handle:
+        return json.load(handle)
+
+
+def shipped_config(name: str):
+    """transformers' config object of shipped hub id `name`."""
+    from transformers import AutoConfig
+    return AutoConfig.for_model(**shipped_architecture(name))
+
+
+# Qwen2-VL's special tokens the stand-in tokenizer needs (its processor looks up <|image_pad|>)
+QWEN2VL_STAND_IN_TOKENS = ['<|im_start|>', '<|im_end|>', '<|vision_start|>', '<|image_pad|>',
+                           '<|vision_end|>', '<|video_pad|>']
+
+
+def _llava_stand_in(path: str) -> None:
+    from transformers import CLIPImageProcessor, LlavaProcessor
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({'additional_special_tokens': ['<image>']})
+    LlavaProcessor(image_processor=CLIPImageProcessor(size={'shortest_edge': 32},
+                                                      crop_size={'height': 32, 'width': 32}),
+                   tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy='default',
+                   num_additional_image_tokens=1, image_token='<image>').save_pretrained(path)
+
+
+def _qwen2vl_stand_in(path: str) -> None:
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+    Qwen2VLConfig().save_pretrained(path)   # AutoProcessor reads the model type from it
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({'additional_special_tokens': QWEN2VL_STAND_IN_TOKENS})
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(path)
+
+
+def _stand_in_processing_dir(config) -> str:
+    """A local folder with a tiny tokenizer (and, for vision-language models, an image
+    processor) of the same family as `config`: what tokenizers and processors load for a
+    shipped architecture (sizing uses the config's vocabulary and image token, never the
+    tokenizer)."""
+    model_type = getattr(config, 'model_type', '')
+    if model_type == 'llava':
+        return ensure_cached_dir(None, _llava_stand_in, 'stand-in-llava-processor-v1', marker='tokenizer_config.json')
+    if model_type == 'qwen2_vl':
+        return ensure_cached_dir(None, _qwen2vl_stand_in, 'stand-in-qwen2-vl-processor-v2',
+                                 marker='tokenizer_config.json')
+    return ensure_tiny_llama()
+
+
+def _is_model_class(loader) -> bool:
+    from transformers import PreTrainedModel
+    return isinstance(loader, type) and (issubclass(loader, PreTrainedModel)
+                                         or loader.__name__.startswith('AutoModel'))
+
+
+def _architecture_config(path: str, spec: ModelSpec):
+    """The config of model.type's `path` without the hub: a local folder's config.json or a
+    shipped architecture; a ConfigError naming model.type and the shipped names otherwise."""
+    from transformers import AutoConfig
+    if _looks_local(path) or os.path.isdir(os.path.expanduser(path)):
+        return AutoConfig.from_pretrained(check_local_dir(path), local_files_only=True)
+    name = shipped_architecture_name(path)
+    if name is None:
+        raise ConfigError(f"model.type = '{spec.type_value or path}': sizing without weights needs a "
+                          f"local folder with a config.json or one of the architectures shipped "
+                          f"with fs_plugins ({', '.join(shipped_architectures())}); the hub is not "
+                          f"asked")
+    return shipped_config(name)
+
+
+def _architecture_from_pretrained(only: dict, loader, path: str, spec: ModelSpec, **kwargs):
+    """`from_pretrained` inside `architecture_only`: a config, a model built from it (random
+    weights on only['device'], at only['layers'] depth) or, for a shipped architecture, a tiny
+    local stand-in tokenizer or processor. Never reads weights, never asks the hub."""
+    from transformers import AutoConfig, PretrainedConfig
+    config = _architecture_config(path, spec)
+    if loader is AutoConfig or isinstance(loader, type) and issubclass(loader, PretrainedConfig):
+        return config
+    if _is_model_class(loader):
+        dtype = kwargs.pop('dtype', None)
+        for key, value in kwargs.items():   # e.g. num_labels, id2label of a classifier head
+            setattr(config, key, value)
+        config = _with_layers(config, only['layers'])
+        # Auto classes have from_config; a concrete model class its own _from_config
+        make = getattr(loader, 'from_config', None) or loader._from_config
+        with torch.device(only['device']):
+            return make(config, dtype=dtype) if dtype is not None else make(config)
+    local = path if _looks_local(path) or os.path.isdir(os.path.expanduser(path)) else None
+    return loader.from_pretrained(check_local_dir(local) if local else _stand_in_processing_dir(config),
+                                  local_files_only=True, **kwargs)
 
 
 def _with_layers(config, layers: dict[str, int]):
@@ -90,7 +215,14 @@ def check_local_dir(path: str) -> str:
 
 
 def from_pretrained(loader, path: str, spec: ModelSpec, **kwargs):
-    """`loader.from_pretrained` for a local directory or a hub id, errors naming model.type."""
+    """`loader.from_pretrained` for a local directory or a hub id, errors naming model.type
+    (inside `architecture_only`: see `_architecture_from_pretrained`)."""
+    only = _ARCHITECTURE_ONLY.get()
+    if only is not None:
+        try:
+            return _architecture_from_pretrained(only, loader, path, spec, **kwargs)
+        except OSError as exc:
+            raise FileNotFoundError(f"Cannot read the architecture of '{path}' (model.type): {exc}") from exc
     try:
         return loader.from_pretrained(check_local_dir(path),
                                       local_files_only=spec.model.local_files_only,
@@ -104,16 +236,9 @@ def load_weights(loader, path: str, spec: ModelSpec):
     """A base model: `loader.from_pretrained` in fsplug.model.dtype, quantised as
     fsplug.model.quantization says (or only its architecture inside `architecture_only`)."""
     dtype = DTYPES[spec.model.dtype]
-    only = _ARCHITECTURE_ONLY.get()
-    if only is None:
+    if _ARCHITECTURE_ONLY.get() is None:
         return from_pretrained(loader, path, spec, dtype=dtype, **quantization_kwargs(spec))
-    from transformers import AutoConfig
-    config = from_pretrained(AutoConfig, path, spec)
-    config = _with_layers(config, only['layers'])
-    # Auto classes have from_config; a concrete model class its own _from_config
-    make = getattr(loader, 'from_config', None) or loader._from_config
-    with torch.device(only['device']):
-        return make(config, dtype=dtype)
+    return from_pretrained(loader, path, spec, dtype=dtype)
 
 
 def text_codec(spec: ModelSpec, tokenizer) -> TextCodec:
