@@ -116,7 +116,14 @@ def test_projector_can_train_with_the_llm(tmp_path):
     assert parts == [{'encoders'}] * 2 + [{'language_model', 'projectors'}] * 6
 
 
-def test_encoder_lora_is_uploaded_and_aggregated_with_fed_a2(tmp_path):
+HOLDERS = {'image': (2, 3), 'audio': (1, 2)}   # tiny_media clients: audio, both, image
+
+
+def test_encoder_lora_is_aggregated_with_fed_a2_over_its_modality_holders(tmp_path):
+    """Each client uploads the LLM LoRA and the modules of its own modalities only; the server
+    runs FedA² on each modality's encoder LoRA over the clients holding it (weights renormalised
+    over them), averages P_m over them, and every client, even one without that modality,
+    receives the global modules."""
     cfg = uniflow_cfg(tmp_path, 'federate.total_round_num', '1')
     from fs_plugins.sim import runner as runner_mod
     updates = []
@@ -127,22 +134,187 @@ def test_encoder_lora_is_uploaded_and_aggregated_with_fed_a2(tmp_path):
         return original(self, round_idx, round_updates)
     runner_mod.ServerProcedure.aggregate = spy
     try:
-        _, clients = run_embedded_keeping_clients(cfg)
+        results, clients = run_embedded_keeping_clients(cfg)
     finally:
         runner_mod.ServerProcedure.aggregate = original
-    shared = updates[0].shared
-    for modality in ('image', 'audio'):
-        assert any(f'.encoders.{modality}.' in k and 'lora_A' in k for k in shared)
-    assert any('.projectors.' in k for k in shared)
-    weights = [float(u.dataset_size) for u in updates]
-    global_ = clients[1].params
-    for a_key, b_key in lora_pairs(shared).values():
-        if '.encoders.' not in a_key:
-            continue
-        a, b = fed_a2([u.shared[a_key] for u in updates], [u.shared[b_key] for u in updates],
-                      weights, lam=0.1)
-        assert torch.allclose(global_[a_key], a, atol=1e-6)
-        assert torch.allclose(global_[b_key], b, atol=1e-5)
+    assert not [r for r in results.rows if r['kind'] == 'rejected']
+    by_id = {u.client_id: u for u in updates}
+    assert sorted(by_id) == [1, 2, 3]
+    for modality, ids in HOLDERS.items():
+        for cid, update in by_id.items():
+            sent = {k for k in update.shared if f'.{modality}.' in k}
+            assert bool(sent) == (cid in ids), (modality, cid)
+            if sent:
+                assert any('lora_A' in k for k in sent) and any('.projectors.' in k for k in sent)
+    global_ = clients[1].params   # client 1 holds no image, yet receives the global image modules
+    for modality, ids in HOLDERS.items():
+        group = [by_id[c] for c in ids]
+        weights = [float(u.dataset_size) for u in group]
+        keys = {k for k in group[0].shared if f'.{modality}.' in k}
+        pairs = [ab for ab in lora_pairs(keys).values()]
+        assert pairs
+        for a_key, b_key in pairs:
+            a, b = fed_a2([u.shared[a_key] for u in group], [u.shared[b_key] for u in group],
+                          weights, lam=0.1)
+            assert torch.allclose(global_[a_key], a, atol=1e-6)
+            assert torch.allclose(global_[b_key], b, atol=1e-5)
+        for key in keys - {k for ab in pairs for k in ab}:   # P_m: averaged over the holders
+            mean = sum(w * u.shared[key] for w, u in zip(weights, group)) / sum(weights)
+            assert torch.allclose(global_[key], mean, atol=1e-6)
+    everyone = [by_id[c] for c in (1, 2, 3)]
+    llm_pairs = [ab for ab in lora_pairs(everyone[0].shared).values() if '.language_model.' in ab[0]]
+    assert llm_pairs and all(all(ab[0] in u.shared for u in everyone) for ab in llm_pairs)
+    a_key, b_key = llm_pairs[0]
+    a, _ = fed_a2([u.shared[a_key] for u in everyone], [u.shared[b_key] for u in everyone],
+                  [float(u.dataset_size) for u in everyone], lam=0.1)
+    assert torch.allclose(global_[a_key], a, atol=1e-6)
+
+
+def clients_of(tmp_path, ids, client_cfgs=None, *overrides):
+    from fs_plugins.run.config import client_overrides
+    from fs_plugins.run.runtime import build_clients
+    cfg = uniflow_cfg(tmp_path, *overrides)
+    records = build_federated_records(cfg)
+    return cfg, build_clients(cfg, get_method_class('uniflow'), records,
+                              client_overrides(client_cfgs, cfg), 'cpu', ids)
+
+
+def modality_names(names, modality) -> set:
+    return {n for n in names if f'.encoders.{modality}.' in n or f'.projectors.{modality}.' in n}
+
+
+def test_a_client_without_images_neither_trains_nor_uploads_the_image_modules(tmp_path):
+    cfg, procs = clients_of(tmp_path, [1, 2])
+    audio, both = procs[1], procs[2]
+    assert audio.cfg.fsplug.uniflow.client_modalities == ['audio']   # 'auto', from its records
+    assert both.cfg.fsplug.uniflow.client_modalities == ['auto']     # all: the run's config
+    image_params = modality_names(both.trainable_names, 'image')   # encoder LoRA and P_image
+    assert image_params and not image_params & set(audio.trainable_names)
+    assert modality_names(both.trainable_names, 'audio') <= set(audio.trainable_names)
+    # it receives the global image modules (evaluation of image inputs uses them) ...
+    content = {n: torch.full_like(audio.params[n], 0.5) for n in image_params}
+    audio.receive(content)
+    assert all(torch.equal(audio.params[n], content[n]) for n in image_params)
+    # ... but no phase trains them and they are not uploaded
+    for phase in audio.method.phases(audio.steps_per_round(), audio.cfg):
+        assert not any(phase.trainable(n) for n in image_params if n in audio.trainable_names)
+    parts = trained_parts_per_step(audio)
+    assert parts[0] == ENCODER_SIDE
+    assert all(torch.equal(audio.params[n], content[n]) for n in image_params)
+    update = audio.end_round()
+    assert not modality_names(update.shared, 'image')
+    assert modality_names(update.shared, 'audio') and any('.language_model.' in n for n in update.shared)
+
+
+def test_client_modalities_can_be_listed_per_client(tmp_path):
+    """--client_cfg fsplug.uniflow.client_modalities: client 2 holds images and tones but
+    trains the audio side only; the server builds its expected upload from that config."""
+    client_cfgs = {'client_2': {'fsplug': {'uniflow': {'client_modalities': ['audio']}}}}
+    _, procs = clients_of(tmp_path, [2], client_cfgs)
+    proc = procs[2]
+    assert not modality_names(proc.trainable_names, 'image')
+    from fs_plugins.aggregation.signature import signature_of
+    from fs_plugins.run.server import client_shared_shapes
+    proc.begin_round()
+    sent = proc.end_round().shared
+    assert client_shared_shapes(proc.cfg, get_method_class('uniflow')) == signature_of(sent)
+
+
+@pytest.mark.parametrize('listed, problem', [
+    (['auto', 'image'], "'auto' stands alone"),
+    (['image'], "lists 'image', which has no encoder"),
+])
+def test_client_modalities_must_be_configured(tmp_path, listed, problem):
+    with pytest.raises(ConfigError, match=problem):
+        uniflow_cfg(tmp_path, 'fsplug.uniflow.client_modalities', listed,
+                    *(['fsplug.model.multimodal.image.backend', ''] if listed == ['image'] else []))
+
+
+def lora_layer(seed, d=6, r=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(r, d, generator=g), torch.randn(d, r, generator=g)
+
+
+@pytest.mark.parametrize('aggregation', ['fedavg', 'fed_a2'])
+def test_the_server_aggregates_each_modality_over_the_clients_that_sent_it(tmp_path, aggregation):
+    from fs_plugins.methods.base import ClientUpdate
+    cfg = uniflow_cfg(tmp_path, 'fsplug.uniflow.aggregation', aggregation)
+    method = get_method_class('uniflow')(cfg)
+    layer = {'llm': 'base_model.model.language_model.layers.0.q_proj',
+             'image': 'base_model.model.encoders.image.layers.0.q_proj',
+             'audio': 'base_model.model.encoders.audio.layers.0.q_proj'}
+    proj = {m: f'base_model.model.projectors.{m}.weight' for m in ('image', 'audio')}
+
+    def tensors(seed, parts):
+        out = {}
+        for part in parts:
+            a, b = lora_layer(seed * 10 + len(part))
+            out[f'{layer[part]}.lora_A.default.weight'] = a
+            out[f'{layer[part]}.lora_B.default.weight'] = b
+            if part in proj:
+                out[proj[part]] = torch.full((3, 2), float(seed))
+        return out
+    initial = tensors(0, ('llm', 'image', 'audio'))
+    state = method.init_server_state(initial)
+    sizes = {1: 10, 2: 30, 3: 60}
+    # client 1: audio only; clients 2, 3: images only; nobody sends audio's... (see below)
+    sent = {1: ('llm', 'audio'), 2: ('llm', 'image'), 3: ('llm', 'image')}
+    updates = [ClientUpdate(c, sizes[c], tensors(c, parts), dataset_size=sizes[c], weight=sizes[c])
+               for c, parts in sent.items()]
+    new = method.aggregate(state, updates)['global']
+    direct = get_method_class(aggregation)(cfg)
+
+    def alone(ids, part):
+        group = [u for u in updates if u.client_id in ids]
+        names = {k for k in group[0].shared if layer[part] in k or k == proj.get(part)}
+        sub = [ClientUpdate(u.client_id, u.num_samples, {k: u.shared[k] for k in names},
+                            dataset_size=u.dataset_size, weight=u.weight) for u in group]
+        return direct.aggregate(direct.init_server_state({k: initial[k] for k in names}), sub)['global']
+    for ids, part in (((2, 3), 'image'), ((1,), 'audio'), ((1, 2, 3), 'llm')):
+        expected = alone(ids, part)
+        assert expected and all(torch.allclose(new[k], v, atol=1e-6) for k, v in expected.items())
+    # P_image: the average over the image clients 2 and 3 only (weights 30 : 60)
+    assert torch.allclose(new[proj['image']], torch.full((3, 2), (2 * 30 + 3 * 60) / 90))
+    assert torch.allclose(new[proj['audio']], torch.full((3, 2), 1.0))
+    # a module no client sent this round keeps its global value
+    state = method.init_server_state(initial)
+    llm_only = [ClientUpdate(u.client_id, u.num_samples,
+                             {k: v for k, v in u.shared.items() if layer['llm'] in k},
+                             dataset_size=u.dataset_size, weight=u.weight) for u in updates]
+    image_only = [ClientUpdate(4, 5, tensors(4, ('image',)), dataset_size=5, weight=5)]
+    new = method.aggregate(state, llm_only + image_only)['global']
+    for key in (k for k in initial if layer['audio'] in k or k == proj['audio']):
+        assert new[key] is initial[key]
+
+
+def test_the_audit_of_the_tiny_yaml_finds_no_problem(tmp_path):
+    from fs_plugins.commands.audit import audit_yaml
+    from fs_plugins.run.audit import format_report
+    report = audit_yaml(f'{REPO}/yamls/uniflow/tiny.yaml', None,
+                        ['data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp')],
+                        tiny=False, steps=8)
+    assert report.problems == [], format_report(report)
+    rows = {r.group: r for r in report.rows}
+    image = [r for g, r in rows.items() if g.startswith(('encoders.image.', 'projectors.image.'))]
+    assert image and all(r.up_tensors == 1 for r in image)   # one of the two clients sends them
+
+
+def test_easyvqa_image_audio_clients_hold_their_own_modalities(tmp_path):
+    """yamls/uniflow/easyvqa_image_audio.yaml: image-k clients (written questions) hold images
+    only, spoken-k clients images and spoken questions: the former keep the audio modules
+    frozen and unsent, the latter train and send both."""
+    from fs_plugins.run.config import client_config
+    cfg = load_config(f'{REPO}/yamls/uniflow/easyvqa_image_audio.yaml',
+                      ['data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp')])
+    uniflow = get_method_class('uniflow')
+    image = client_config(cfg, None)
+    uniflow.resolve_client_config(image, {'train': [{'image': 'a.png', 'question': 'q'}] * 2})
+    spoken = client_config(cfg, None)
+    uniflow.resolve_client_config(spoken, {'train': [{'image': 'a.png', 'audio': 'q.wav'}]})
+    assert uniflow.own_modalities(image) == ('image',)
+    assert image.fsplug.uniflow.client_modalities == ['image']
+    assert uniflow.own_modalities(spoken) == ('image', 'audio')
+    assert spoken == cfg   # every configured modality: the run's own config, the run's upload
 
 
 @pytest.mark.parametrize('aggregation', [a for a in AGGREGATIONS if a != 'fed_a2'])

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from fs_plugins.fs.config import fs_known_keys
 from fs_plugins.fs.logs import share_fs_logging
+from fs_plugins.methods.registry import get_method_class
 from fs_plugins.run.config import client_overrides
-from fs_plugins.run.runtime import build_federated_records
+from fs_plugins.run.runtime import build_federated_records, resolved_override
 from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
 
 # client id -> name (source dataset), for result labels on the server of this process
@@ -21,6 +22,13 @@ def lookup_data(config, client_cfgs):
     config.federate.client_num = records.client_num
     # every client entry checked (ids, keys, values) before any model is built
     overrides = client_overrides(client_cfgs, config, fs_known_keys(config))
+    # the keys a method derives from each client's records (UniFLoW's modalities), so this
+    # process's server expects what each client will send
+    method_cls = get_method_class(config.fsplug.method)
+    for cid, splits in records.clients.items():
+        override = resolved_override(config, overrides.get(cid), method_cls, splits)
+        if override:
+            overrides[cid] = override
     CLIENT_NAMES.clear()
     CLIENT_NAMES.update(records.client_names)
     CLIENT_OVERRIDES.clear()

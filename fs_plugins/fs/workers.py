@@ -37,7 +37,7 @@ from fs_plugins.run.checkpoint import read_server, server_checkpoint_info, set_r
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import Cfg, merge, to_plain
 from fs_plugins.run.results import ResultsLog
-from fs_plugins.run.runtime import initial_global, predictions_path, results_dir, run_info
+from fs_plugins.run.runtime import initial_global, predictions_path, resolved_client_config, results_dir, run_info
 from fs_plugins.run.server import ServerProcedure
 
 logger = logging.getLogger(__name__)
@@ -274,12 +274,17 @@ class PluginClient(Client):
         if _is_distributed(config) and ID == -1 and int(config.distribute.data_idx) > 0:
             ID = int(config.distribute.data_idx)  # results and seeds follow the data, not join order
         share_fs_logging()
-        method = get_method_class(config.fsplug.method)(config)
-        built = build_model(config, method)
+        method_cls = get_method_class(config.fsplug.method)
+        # FS has merged this client's --client_cfg entry; the keys its method derives from its
+        # records are added here as the embedded runner adds them (run.runtime.build_clients)
+        own = resolved_client_config(config, None, method_cls, data)
+        own = own if to_plain(own) != to_plain(config) else config
+        method = method_cls(own)
+        built = build_model(own, method)
         with _fs_worker_init(config):
             super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
                              is_unseen_client, *args, **kwargs)
-        procedure = ClientProcedure(self.ID, config, method, built, data, _torch_device(device))
+        procedure = ClientProcedure(self.ID, own, method, built, data, _torch_device(device))
         resume_dir = str(config.fsplug.checkpoint.resume_from)
         self.run_dir = resume_dir or results_dir(config, outdir_is_final=True)
         self._resume_pending = bool(resume_dir)

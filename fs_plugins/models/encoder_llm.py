@@ -16,6 +16,7 @@ model (fsplug.model.lora.target_modules) and on each encoder
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -34,12 +35,26 @@ from fs_plugins.schema.specs import ModelSpec
 LANGUAGE_MODEL = 'language_model'
 MODALITY_PLACEHOLDER = '{modality}'
 PROMPT_PIECES_WITH_PLACEHOLDER = ('before', 'gap')
+_MODALITY_PART = re.compile(r'(?:^|\.)(encoders|projectors)\.([^.]+)\.')
 
 
 def modalities() -> tuple[str, ...]:
     """The modality names: the encoder sections of fsplug.model.multimodal."""
     return tuple(f.name for f in fields(MultimodalOptions)
                  if f.default_factory is EncoderOptions)
+
+
+def modality_of(name: str) -> str | None:
+    """The modality whose encoder (`encoders.<m>.`) or projection (`projectors.<m>.`) parameter
+    `name` belongs to; None for the language model's (and any other) parameters."""
+    found = _MODALITY_PART.search(name)
+    return found.group(2) if found else None
+
+
+def records_modalities(records) -> tuple[str, ...]:
+    """The modalities (media fields) that occur in `records`, in the order of `modalities()`."""
+    present = {m for record in records for m in modalities() if record.get(m)}
+    return tuple(m for m in modalities() if m in present)
 
 
 def pool_features(states: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime
 import os
 
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.data.federated import FederatedRecords, split_records
 from fs_plugins.methods.base import Method
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.specs import split_spec
 from fs_plugins.run.artifacts import model_layout
-from fs_plugins.run.config import data_name, model_path, to_plain
+from fs_plugins.run.client import ClientProcedure
+from fs_plugins.run.config import Cfg, client_config, data_name, merge, model_path, to_plain
 
 
 def build_federated_records(cfg) -> FederatedRecords:
@@ -52,3 +54,53 @@ def initial_global(cfg, method: Method):
     built = build_model(cfg, method)
     return (method.shared_tensors(built.model, built.trainable_names),
             model_layout(built.model, built.trainable_names))
+
+
+def build_clients(cfg, method_cls, records, overrides, device, client_ids=None) -> dict[int, ClientProcedure]:
+    """Each client's procedure (its config with its --client_cfg entry, its method instance and
+    model); `client_ids`: only these (default: all of `records`)."""
+    clients = {}
+    for cid in client_ids or range(1, records.client_num + 1):
+        ccfg = resolved_client_config(cfg, overrides.get(cid), method_cls, records.clients[cid])
+        method = method_cls(ccfg)
+        try:
+            built = build_model(ccfg, method)
+        except ConfigError as exc:
+            raise ConfigError([f'client {cid}: {p}' for p in exc.problems]) from None
+        clients[cid] = ClientProcedure(cid, ccfg, method, built, records.clients[cid], device)
+    return clients
+
+
+def resolved_client_config(cfg, override, method_cls, records: dict):
+    """One client's config: the run's, its --client_cfg entry merged on top, then the keys its
+    method derives from the client's own records (`Method.resolve_client_config`)."""
+    ccfg = client_config(cfg, override)
+    method_cls.resolve_client_config(ccfg, records)
+    return ccfg
+
+
+def resolved_override(cfg, override, method_cls, records: dict) -> dict | None:
+    """A client's --client_cfg entry (already checked: `client_overrides`) with the keys its
+    method derives from its records added (what a server that knows only the entries needs to
+    expect that client's upload). `cfg` may be FederatedScope's whole config."""
+    merged = Cfg.wrap(merge(to_plain(cfg), override or {}))
+    before = to_plain(merged)
+    method_cls.resolve_client_config(merged, records)
+    derived = changed_leaves(before, to_plain(merged))
+    if not derived:
+        return override
+    return merge(dict(override or {}), derived)
+
+
+def changed_leaves(before: dict, after: dict) -> dict:
+    """The nested keys whose values differ between two plain configs (after's values)."""
+    out = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            inner = changed_leaves(old, value)
+            if inner:
+                out[key] = inner
+        elif value != old:
+            out[key] = value
+    return out
