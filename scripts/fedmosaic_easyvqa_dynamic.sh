@@ -3,10 +3,18 @@
 # (yamls/fedmosaic/easyvqa_dynamic.yaml: clients 1-2 on easyvqa_llava_small, the pivot and W_s;
 # clients 3-4 on easyvqa_llava), FedMosaic against SFT (standalone), FedIT (fedavg) and the
 # personalised baselines (ditto, ...). As in the paper (A.9, "combined with Fed-ET"), the
-# baselines aggregate within each model type (fsplug.aggregation.per_architecture).
+# baselines aggregate within each model type (fsplug.aggregation.per_architecture), except
+# PerAda, which distils across model types through logits (A.6). Every method runs at SFT's
+# compute per round (A.6: "we adjust the local training step for each baseline and FedMosaic to
+# use the same computational cost as SFT"; fsplug.train.local_compute matched, ratios of Table
+# 15, docs/baselines.md); LOCAL_COMPUTE=equal_steps gives every phase train.local_update_steps.
 # Self = test_* (the client's own tasks so far), Others = others_*; A_last and A_AUC tables.
-#   SEEDS="1 2 3" METHODS="fedmosaic standalone fedavg ditto" bash scripts/fedmosaic_easyvqa_dynamic.sh
+#   SEEDS="1 2 3" METHODS="fedmosaic standalone fedavg ditto" LOCAL_COMPUTE=matched \
+#     bash scripts/fedmosaic_easyvqa_dynamic.sh
 # (defaults shown; OUT=exp/fedmosaic_easyvqa_dynamic). Finished runs are kept and skipped.
+# EXTRA="key value ..." appends config overrides to every run, e.g. a shorter run on 2 CPU cores:
+#   OUT=exp/fedmosaic_easyvqa_r6s5 SEEDS=1 METHODS="fedmosaic fedavg ditto feddpa standalone" \
+#     EXTRA="federate.total_round_num 6 train.local_update_steps 5" bash scripts/fedmosaic_easyvqa_dynamic.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-exp/fedmosaic_easyvqa_dynamic}
@@ -17,10 +25,12 @@ for seed in ${SEEDS:-1 2 3}; do
     runs+=("$dir")
     [ -f "$dir/summary.md" ] && { echo "$dir: done already, kept"; continue; }
     mkdir -p "$out/seed$seed"
-    per_arch=$([ "$method" = fedmosaic ] || [ "$method" = standalone ] && echo False || echo True)
+    per_arch=$([ "$method" = fedmosaic ] || [ "$method" = standalone ] || [ "$method" = perada ] \
+      && echo False || echo True)
     fs-plugins run --runner embedded --cfg yamls/fedmosaic/easyvqa_dynamic.yaml \
       --client_cfg yamls/fedmosaic/easyvqa_dynamic_clients.yaml seed "$seed" \
       fsplug.method "$method" fsplug.aggregation.per_architecture "$per_arch" \
+      fsplug.train.local_compute "${LOCAL_COMPUTE:-matched}" ${EXTRA:-} \
       fsplug.results_dir "$dir" > "$out/seed$seed/$method.log" 2>&1 \
       || { tail -30 "$out/seed$seed/$method.log"; exit 1; }
   done

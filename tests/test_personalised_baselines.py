@@ -289,3 +289,60 @@ def test_twin_adapter_methods_refuse_vera_naming_the_key(tmp_path, method):
                                           rf"'{method}'.*needs 'lora'"):
         load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(
             tmp_path, method, fsplug={'method': method, 'model': {'adapter': 'vera'}})))
+
+
+# FedMosaic A.6: "Federated distillation baselines (i.e., TAKFL, PerAda, and FedMKT) share
+# knowledge between heterogeneous models via logits"; Tables 4 and 19 run PerAda across model
+# families. Clients 3-4 on the tiny OLMo (another family, the same offline tokenizer).
+CROSS_FAMILY = {f'client_{i}': {'model': {'type': 'tiny-olmo@fsplug_llm'},
+                                'fsplug': {'model': {'builder': 'tiny_olmo'}}} for i in (3, 4)}
+
+
+def test_perada_distils_across_model_families(tmp_path, monkeypatch):
+    """One teacher from all four clients' logits (each on its own family's model); each family's
+    averaged global adapter is distilled towards it; each client gets its family's adapter."""
+    from fs_plugins.methods.perada import OWN, PerAda
+    teachers, states = [], []
+    original_teacher, original_across = PerAda.teacher_logits, PerAda.aggregate_across
+
+    def spy_teacher(self, parts):
+        teachers.append(sorted(u.client_id for _, _, updates in parts for u in updates))
+        return original_teacher(self, parts)
+
+    def spy_across(self, server_state, groups):
+        states.append(original_across(self, server_state, groups))
+        return states[-1]
+    monkeypatch.setattr(PerAda, 'teacher_logits', spy_teacher)
+    monkeypatch.setattr(PerAda, 'aggregate_across', spy_across)
+    results, clients = run(tmp_path, 'perada', rounds=2, client_cfgs=CROSS_FAMILY,
+                           fsplug={'perada': SMALL_KD})
+    assert teachers == [[1, 2, 3, 4]] * 2
+    state = states[-1]
+    other = state['client_group']['3']
+    assert state['client_group'] == {'1': OWN, '2': OWN, '3': other, '4': other} and other != OWN
+    assert clients[3].model.config.model_type == 'olmo' != clients[1].model.config.model_type
+    for cid, expected in ((1, state['global']), (3, state['globals'][other])):
+        params = clients[cid].params   # what the client received for the final evaluation
+        assert expected and all(torch.equal(params[n], t.to(params[n].dtype))
+                                for n, t in expected.items())
+    assert not any(torch.equal(state['global'][n], t) for n, t in state['globals'][other].items()
+                   if n in state['global'] and state['global'][n].shape == t.shape)
+
+
+def test_perada_shared_vocabulary():
+    from fs_plugins.methods.base import ClientUpdate
+    from fs_plugins.methods.perada import shared_vocabulary
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return dict(self.vocab)
+    same = shared_vocabulary({'a': Tok({'x': 0, 'y': 1}), 'b': Tok({'x': 0, 'y': 1})}, {})
+    assert same == {'a': None, 'b': None}
+    index = shared_vocabulary({'a': Tok({'x': 0, 'y': 1, 'z': 2}), 'b': Tok({'z': 0, 'w': 1, 'x': 2})}, {})
+    assert index['a'].tolist() == [0, 2] and index['b'].tolist() == [2, 0]   # 'x', 'z'
+    with pytest.raises(ValueError, match=r"share no token .*\{'a': \[1\], 'b': \[2\]\}"):
+        shared_vocabulary({'a': Tok({'x': 0}), 'b': Tok({'y': 0})},
+                          {'a': [ClientUpdate(1, 1, {})], 'b': [ClientUpdate(2, 1, {})]})

@@ -40,6 +40,8 @@ class Ditto(Method):
     sent = 'global A, B / global A, B'
     config_class = DittoConfig
     inference_adapters = (PERSONAL,)
+    # FedMosaic Table 15: "Double Forward/Backward", 2.000 × SFT (a global and a personal pass)
+    relative_cost = 2.0
 
     @classmethod
     def config_problems(cls, hparams, cfg):

@@ -66,6 +66,8 @@ class FedDAT(Method):
     sent = 'shared A, B / shared A, B'
     config_class = FedDATConfig
     inference_adapters = TEACHER
+    # FedMosaic Table 15: "Double Forward/Backward" (student and teacher steps), 2.564 × SFT
+    relative_cost = 2.564
 
     @classmethod
     def config_problems(cls, hparams, cfg):

@@ -35,6 +35,10 @@ class FedDPALoRA(Method):
                'global, then the local one trains')
     sent = 'global A, B / global A, B'
     config_class = FedDPAConfig
+    # not FedMosaic Table 15's 2.051 ("Double Forward/Backward"): that counts a full pass for each
+    # adapter, and this round splits one pass between them (global_fraction), so its cost is
+    # about one SFT round; 'matched' measures it (fs_plugins.run.flops)
+    relative_cost = None
 
     def adapt_model(self, model, cfg):
         if cfg.fsplug.model.adapter == 'vera':   # add_twin_adapter scales LoRA's lora_alpha

@@ -7,6 +7,7 @@ live here, so client-local parameters and counters survive across rounds in both
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -22,6 +23,7 @@ from fs_plugins.models.builders import BuiltModel
 from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.models.precision import DTYPES, forward_context, grad_scaler, place_model
 from fs_plugins.run.artifacts import client_dir, save_client_model
+from fs_plugins.run.flops import StepCounter, measured_relative_cost, phase_key
 from fs_plugins.run.optim import build_optimizer, build_scheduler, schedule_window
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,25 @@ def expand_phases(phases: list[Phase]) -> list[Phase]:
     if not phases or any(p.steps < 0 for p in phases) or sum(p.steps for p in phases) == 0:
         raise ValueError(f"Phases {[(p.name, p.steps) for p in phases]} cover no local step")
     return [p for p in phases for _ in range(p.steps)]
+
+
+def matched_phases(phases: list[Phase], relative_cost: float) -> list[Phase]:
+    """fsplug.train.local_compute 'matched': the phases of a round whose compute is SFT's. The
+    method's steps (every phase at train.local_update_steps S: Σ steps) divided by its
+    relative cost (its round's FLOPs over SFT's) give the round's steps,
+    max(1, round(Σ steps / relative_cost)), apportioned to the phases in their proportions
+    (largest remainder, ties to the earlier phase). DITTO (2 phases of S, cost 2): S steps in
+    all, S/2 per phase."""
+    if not relative_cost > 0:
+        raise ValueError(f'relative cost {relative_cost}: must be > 0 '
+                         f'(fsplug.train.relative_cost)')
+    planned = sum(p.steps for p in phases)
+    target = max(1, math.floor(planned / relative_cost + 0.5))
+    quotas = [p.steps * target / planned for p in phases]
+    steps = [math.floor(q) for q in quotas]
+    for i in sorted(range(len(phases)), key=lambda i: (steps[i] - quotas[i], i))[:target - sum(steps)]:
+        steps[i] += 1
+    return [dataclasses.replace(p, steps=n) for p, n in zip(phases, steps)]
 
 
 class ClientProcedure:
@@ -69,6 +90,10 @@ class ClientProcedure:
         self.state = method.init_client_state(self.model, cfg)
         self.optimizer = self.scheduler = None
         self.round_idx = 0   # the federation's round (0-based), for run-level LR schedules
+        self.measured_cost: float | None = None   # measured once, when 'matched' needs it
+        self.flop_counter = StepCounter()
+        self.step_phases: list[Phase] = []
+        self.phase_flops: dict[tuple, int] = {}
 
     # ------------------------------------------------------------------ receive
     def receive(self, content: dict) -> None:
@@ -92,9 +117,14 @@ class ClientProcedure:
         if self.dynamic:
             self.stream.set_memory(self.memory_size(self.round_idx))
         self.method.round_idx = self.round_idx
-        self.step_phases = expand_phases(self.method.phases(self.steps_per_round(), self.cfg))
-        steps = len(self.step_phases)
         place_model(self.model, self.device)
+        phases = self.method.phases(self.steps_per_round(), self.cfg)
+        if self.cfg.fsplug.train.local_compute == 'matched':
+            phases = matched_phases(phases, self.relative_cost())
+        self.step_phases = expand_phases(phases)
+        steps = len(self.step_phases)
+        self.flop_counter.stop()
+        self.phase_flops = {}   # FLOPs of the round's first step of each phase
         self.model.train()
         self.optimizer = build_optimizer(self._param_groups(), self.cfg.train.optimizer)
         total, start = schedule_window(self.cfg.fsplug.train.lr_schedule, self.round_idx,
@@ -105,6 +135,26 @@ class ClientProcedure:
         self.pending: list[tuple[dict, float]] = []   # the open step's micro-batches to come
         self.stats = {'loss_sum': 0.0, 'samples': 0, 'steps': 0, 'skipped': 0}
         return steps * self.accumulation
+
+    def relative_cost(self) -> float | None:
+        """The method's round FLOPs over SFT's: fsplug.train.relative_cost when set, else the
+        method's declared one (FedMosaic Table 15), else, under 'matched', measured once
+        (fs_plugins.run.flops); None under 'equal_steps' without either."""
+        configured = float(self.cfg.fsplug.train.relative_cost)
+        if configured > 0:
+            return configured
+        if self.method.relative_cost is not None:
+            return float(self.method.relative_cost)
+        if self.cfg.fsplug.train.local_compute != 'matched':
+            return None
+        if self.measured_cost is None:
+            self.measured_cost = measured_relative_cost(self)
+        return self.measured_cost
+
+    def round_flops(self) -> int:
+        """FLOPs of the round's local training: each phase's first step, counted as it ran,
+        times that phase's steps (its other steps' batches may differ in length)."""
+        return sum(self.phase_flops.get(phase_key(p), 0) for p in self.step_phases)
 
     def _param_groups(self) -> list[dict]:
         """One optimiser group per learning rate: train.optimizer.lr, and each rate the
@@ -133,6 +183,9 @@ class ClientProcedure:
             self.pending = micro_batch_weights([self.stream.next() for _ in range(self.accumulation)],
                                                self.codec.loss_units)
             self.step_finite = False
+            if phase_key(phase) not in self.phase_flops:   # counted until the step ends
+                self.phase_flops[phase_key(phase)] = 0
+                self.flop_counter.start()
         batch, self.micro_weight = self.pending.pop(0)
         self.method.micro_index = self.accumulation - len(self.pending) - 1
         return {k: v.to(self.device) for k, v in batch.items()}
@@ -159,6 +212,9 @@ class ClientProcedure:
         return finite
 
     def _end_step(self) -> None:
+        if self.flop_counter.running:
+            key = phase_key(self.step_phases[min(self.step_index, len(self.step_phases) - 1)])
+            self.phase_flops[key] = self.flop_counter.stop()
         self.step_index += 1
         self.stats['steps'] += 1
         if not self.step_finite:
@@ -182,6 +238,7 @@ class ClientProcedure:
             self.stats['samples'] += batch_size
 
     def end_round(self) -> ClientUpdate:
+        self.flop_counter.stop()   # a step left open (a runner that stopped mid-step)
         if self.method.inference_adapters:
             activate_adapters(self.model, self.method.inference_adapters)
         for name in self.trainable_names:
@@ -192,7 +249,13 @@ class ClientProcedure:
         extra = self.method.client_extra(self.model, self.state)
         metrics = {'train_avg_loss': self.stats['loss_sum'] / samples if samples else float('nan'),
                    'train_steps': self.stats['steps'],
+                   # the round's compute (fsplug.train.local_compute): optimiser steps planned,
+                   # FLOPs (fs_plugins.run.flops), the relative cost to SFT used or declared
+                   'local_steps': len(self.step_phases), 'local_flops': self.round_flops(),
                    **self.method.client_metrics(self.model, self.state)}
+        cost = self.relative_cost()
+        if cost is not None:
+            metrics['relative_cost'] = cost
         return ClientUpdate(self.client_id, samples, shared, extra, metrics,
                             dataset_size=len(self.train_data))
 

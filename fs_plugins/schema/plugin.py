@@ -179,6 +179,7 @@ class EvalOptions:
 
 AGGREGATION_WEIGHTS = ('dataset_size', 'processed', 'uniform')
 LR_SCHEDULE_SCOPES = ('run', 'round')
+LOCAL_COMPUTE = ('equal_steps', 'matched')
 
 
 @dataclass
@@ -209,6 +210,18 @@ class TrainOptions:
     deterministic: bool = option(True, "torch's deterministic kernels (warn-only where an op has "
                                        'none): the same YAML and seed give bit-identical '
                                        'results; off may be faster on GPUs')
+    local_compute: str = option('equal_steps', "local steps per round: 'equal_steps' = every "
+                                               'phase of the method runs train.local_update_steps '
+                                               "(S; e.g. DITTO 2·S in all), 'matched' = the same "
+                                               'compute as SFT / FedAvg-LoRA: the method\'s steps '
+                                               'divided by relative_cost (DITTO: S in all, S/2 '
+                                               "per phase; FedMosaic's A.6 protocol)",
+                                choices=LOCAL_COMPUTE)
+    relative_cost: float = option(0.0, "FLOPs of the method's round over SFT's at equal_steps, "
+                                       "for 'matched' (0 = the method's declared ratio, from "
+                                       "FedMosaic's Table 15 where it lists the method, else "
+                                       'measured with torch.utils.flop_counter: one step per '
+                                       'phase against an SFT step on the same model)', ge=0)
 
 
 @dataclass
