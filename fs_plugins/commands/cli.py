@@ -3,6 +3,9 @@
 `fs-plugins estimate --cfg X.yaml [--client_cfg C.yaml] [--seq-len N] [key value ...]` sizes each
 client's training (parameters, peak memory with and without gradient checkpointing, bytes per
 round) without reading any pretrained weight (see fs_plugins.commands.estimate).
+`fs-plugins audit --cfg X.yaml [--client_cfg C.yaml] [--tiny] [key value ...]` runs two clients
+for a few local steps and prints what trains and what travels, checked against the method's
+contract (see fs_plugins.run.audit).
 `fs-plugins predict --run DIR [--client K] --input Q.jsonl [--output A.jsonl]` answers questions
 with a run's fine-tuned model; `fs-plugins eval --run DIR [--client K] --data FILE` re-evaluates
 it on another dataset; `fs-plugins export --run DIR [--client K] [--merge] --out DIR2` writes it
@@ -92,7 +95,7 @@ def estimate(args) -> int:
     try:
         cfg = load_config(args.cfg, args.opts)
         estimates = estimate_run(cfg, read_yaml(args.client_cfg) if args.client_cfg else None,
-                                 args.seq_len)
+                                 args.seq_len, activations=not args.no_activations)
     except ConfigError as exc:
         return _config_error(exc)
     except (FileNotFoundError, ValueError) as exc:
@@ -102,6 +105,22 @@ def estimate(args) -> int:
           f'quantization {cfg.fsplug.model.quantization}, {cfg.train.optimizer.type}):')
     print(format_table(estimates))
     return 0
+
+
+def audit(args) -> int:
+    try:
+        check_before_imports(args.cfg, args.opts, args.client_cfg)
+    except ConfigError as exc:
+        return _config_error(exc)
+    from fs_plugins.commands.audit import run_audit  # lazy: imports torch, after the pre-check
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        return run_audit(args)
+    except ConfigError as exc:
+        return _config_error(exc)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f'fs-plugins: error: {exc}', file=sys.stderr)
+        return 2
 
 
 def _config_error(exc) -> int:
@@ -278,7 +297,21 @@ def main(argv: list[str] | None = None) -> int:
     sizing.add_argument('--client_cfg', default=None, help='per-client overrides (FS format)')
     sizing.add_argument('--seq-len', type=int, default=None,
                         help='text tokens per sample (default: llm.tok_len, the longest)')
+    sizing.add_argument('--no-activations', action='store_true',
+                        help='skip the activation probe (seconds instead of minutes): parameters, '
+                             'weights, optimiser state and communication only')
     sizing.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
+    auditing = sub.add_parser('audit', help="what trains and what travels in a short round of two "
+                                            "clients, checked against the method's contract")
+    auditing.add_argument('--cfg', required=True, help='YAML config (FederatedScope format)')
+    auditing.add_argument('--client_cfg', default=None, help='per-client overrides (FS format)')
+    auditing.add_argument('--tiny', action='store_true',
+                          help='audit the same method, options and LoRA targets on a random-weight '
+                               'model of the same family, on offline data')
+    auditing.add_argument('--clients', type=int, default=2, help='clients taking part (default 2)')
+    auditing.add_argument('--steps', type=int, default=4, help='local steps per pass (default 4)')
+    auditing.add_argument('--json', default=None, help='also write the report as JSON')
+    auditing.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
     predict = _trained_parser(sub, 'predict', "answer questions with a run's fine-tuned model")
     predict.add_argument('--input', required=True,
                          help='.jsonl/.json: instruction records, or image + question records')
@@ -298,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         return list_methods(args.modules)
     if args.command == 'estimate':
         return estimate(args)
+    if args.command == 'audit':
+        return audit(args)
     if args.command in ('predict', 'eval', 'export'):
         return use_trained(args)
     if args.command == 'launch':

@@ -9,7 +9,8 @@ Fine-Tuning", NeurIPS 2025, arXiv 2509.15087; code github.com/lei-wang-link/FedL
    best silhouette: M experts. Expert j starts as the mean of its cluster's LoRAs (Eq. 3).
 3. Afterwards a client of cluster c holds all M experts at every LoRA layer: its own (peft's
    adapter, trained) and the others (frozen), mixed per token by its router over 2M − 1 slots,
-   top-M (`fs_plugins.tuners.lease`). It trains its own expert and its router; the server
+   top-M (`fs_plugins.tuners.lease`). It trains its own expert and its router (in warm-up only
+   its LoRA: the router has nothing to choose from yet); the server
    averages each expert, and each router, within its cluster, and every client downloads all
    experts. Clustering happens once.
 
@@ -31,7 +32,7 @@ import torch
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.clustering import b_distances, choose_clusters, nearest_cluster
 from fs_plugins.aggregation.pairs import lora_pairs
-from fs_plugins.methods.base import Method, differing_client_keys, load_tensors, weights_of
+from fs_plugins.methods.base import Contract, Method, Phase, differing_client_keys, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 from fs_plugins.tuners.lease import inject_lease, is_lease_router, lease_layers
@@ -75,6 +76,7 @@ class FedLEASE(Method):
                'picks M), one LoRA expert per cluster; each client mixes all M experts with its '
                'router (2M−1 slots, top-M), trains its own expert + router, averaged per cluster')
     sent = 'own expert A, B + routers / all M experts + routers'
+    contract = Contract(audit_clients=3)   # choosing 2 or 3 clusters by silhouette needs three
     config_class = FedLEASEConfig
     hf_export_refusal = 'its routers and other experts are modules of its own'
 
@@ -115,6 +117,13 @@ class FedLEASE(Method):
             if is_lease_router(name):
                 param.requires_grad_(True)
         return model
+
+    def phases(self, num_steps, cfg):
+        """Warm-up rounds train the client's own LoRA only: with no other expert yet, the router
+        has one slot and no gradient (it is still sent, so every update has one layout)."""
+        if self.round_idx < self.hparams.warmup_rounds:
+            return [Phase('warmup', num_steps, lambda name: not is_lease_router(name))]
+        return [Phase('train', num_steps)]
 
     def receive(self, model, content, state):
         cluster = content.get(CLUSTER)

@@ -21,7 +21,7 @@ import torch
 
 from fs_plugins.aggregation.activation import activation_aware_average, activation_frequency, frequency_summary
 from fs_plugins.core.errors import ConfigError
-from fs_plugins.methods.base import Method, load_tensors, weights_of
+from fs_plugins.methods.base import Contract, Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 from fs_plugins.tuners.flame import (
@@ -46,6 +46,7 @@ METRICS_KEY = 'flame_metrics'         # client state: this round's a/S summary (
 
 class ExpertRoutingMethod(Method):
     """Installs the routing tracker and sends activation counts (every MoE method here)."""
+    contract = Contract(extra=(COUNTS_PREFIX + '*', TOTALS_PREFIX + '*', STEPS_KEY))
 
     @property
     def activation(self) -> str:
@@ -84,6 +85,14 @@ class ExpertRoutingMethod(Method):
             'flame_freq_max': mean(s[2] for s in summary),
             'flame_top_k': float(state['routing'].top_k)}
         return payload
+
+    def extra_payload_shapes(self, model, cfg):
+        """Per MoE block, its (E,) counts and () total (float64), and the steps (float32)."""
+        tracker = model.flame_routing
+        shapes = {COUNTS_PREFIX + n: ((tracker.num_experts[n],), torch.float64) for n in tracker.names}
+        shapes.update({TOTALS_PREFIX + n: ((), torch.float64) for n in tracker.names})
+        shapes[STEPS_KEY] = ()
+        return shapes
 
     def client_metrics(self, model, state) -> dict[str, float]:
         """This round's activation-frequency summary (min / median / max over the experts of a

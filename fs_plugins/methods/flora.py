@@ -23,7 +23,7 @@ import torch
 from fs_plugins.aggregation.lora import flora_stack
 from fs_plugins.aggregation.pairs import is_lora_factor
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.methods.base import load_tensors
+from fs_plugins.methods.base import Contract, load_tensors
 from fs_plugins.methods.merged_base import MergesIntoBase, accumulate, fold_into_base, layer_steps, split_content
 from fs_plugins.methods.registry import register_method
 from fs_plugins.tuners.mole.model import lora_wrapped_modules
@@ -39,6 +39,7 @@ class FLoRA(MergesIntoBase):
     summary = ('FLoRA: clients\' A and B stacked so the update is exactly Σp_ks_kB_kA_k at any '
                'ranks, merged into the base each round; fresh LoRA every round')
     sent = 'own-rank A, B / full-size merged update'
+    contract = Contract(extra=(SCALE + '*',))
 
     def init_server_state(self, initial_shared):
         return {'global': dict(initial_shared), 'merged': {}, 'rounds_merged': 0}
@@ -46,6 +47,10 @@ class FLoRA(MergesIntoBase):
     def client_extra(self, model, state):
         return {SCALE + prefix: torch.tensor(float(layer.scaling['default']))
                 for prefix, layer in lora_wrapped_modules(model).items()}
+
+    def extra_payload_shapes(self, model, cfg):
+        """One scalar LoRA scaling per LoRA-wrapped layer."""
+        return {SCALE + prefix: () for prefix in lora_wrapped_modules(model)}
 
     def aggregate(self, server_state, updates):
         def stacked_product(prefix, keys, As, Bs, weights):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.methods.base import weights_of
+from fs_plugins.methods.base import Contract, weights_of
 from fs_plugins.methods.linear_arithmetic import WEIGHTS_ATTR, MergedLibraryMethod
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
@@ -47,6 +47,7 @@ class LoraHub(MergedLibraryMethod):
                'weights come from a federated gradient-free search (cross-entropy method: '
                'clients score candidates by their local loss, no backward)')
     sent = 'candidate losses / candidate weights'
+    contract = Contract(extra=(LOSSES_KEY,))
     config_class = LoraHubConfig
     gradient_free = True
 
@@ -90,6 +91,10 @@ class LoraHub(MergedLibraryMethod):
     def client_extra(self, model, state):
         batches = max(1, state['batches'])
         return {LOSSES_KEY: state['loss_sums'] / batches}
+
+    def extra_payload_shapes(self, model, cfg):
+        """The (P,) mean losses of the population's candidates (float64)."""
+        return {LOSSES_KEY: ((self.hparams.population,), torch.float64)}
 
     # ----------------------------------------------------------------- server
     def init_server_state(self, initial_shared):

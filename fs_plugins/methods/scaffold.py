@@ -12,7 +12,7 @@ import torch
 
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.scaffold import scaffold_client_control, scaffold_server_control
-from fs_plugins.methods.base import Method, load_tensors, weights_of
+from fs_plugins.methods.base import Contract, Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
 
 CONTROL = 'control/'
@@ -24,6 +24,7 @@ class Scaffold(Method):
     summary = ('control variates c, c_i; each local gradient corrected by c − c_i (option II; use'
                ' SGD locally)')
     sent = 'A, B, Δc_i / A, B, c'
+    contract = Contract(extra=(CONTROL + '*',))
 
     def init_client_state(self, model, cfg):
         return {'c_i': {}, 'c': {}, 'start': {}, 'steps': 0}
@@ -63,6 +64,11 @@ class Scaffold(Method):
             deltas[CONTROL + name] = new_c_i - c_i
             state['c_i'][name] = new_c_i
         return deltas
+
+    def extra_payload_shapes(self, model, cfg):
+        """Δc_i: one control-variate change per shared tensor, of its shape."""
+        return {CONTROL + n: tuple(p.shape) for n, p in model.named_parameters()
+                if p.requires_grad and self.is_shared(n)}
 
     def init_server_state(self, initial_shared):
         return {'global': dict(initial_shared),

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fs_plugins.aggregation import eeqa_quota, weighted_average
-from fs_plugins.methods.base import weights_of
+from fs_plugins.methods.base import Contract, PaperClaim, weights_of
 from fs_plugins.methods.library_reuse import LAYERS_ATTR, LibraryMethod
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
@@ -88,6 +88,12 @@ class SmartFed(LibraryMethod):
                '(Algorithm 1) sets q_j from importance measured in the warm-up')
     sent = 'routers (+ importance in the warm-up) / routers + quotas'
     config_class = SmartFedConfig
+    contract = Contract(extra=(IMPORTANCE_KEY,), claim=PaperClaim(
+        source='SmartFed paper (ICML poster), no ratio given: "Reuse existing LoRA modules, '
+               'freeze adapter weights, and train only a lightweight rank-wise router for '
+               'efficient federated adaptation"; "Train only the router while keeping backbone '
+               'and LoRAs frozen"; Figure 7 (overhead on LLaMA2-7B, Chinese+Math) gives no '
+               'figure in the text'))
 
     @classmethod
     def config_problems(cls, hparams, cfg):
@@ -139,6 +145,12 @@ class SmartFed(LibraryMethod):
                     totals[router] = totals.get(router, 0.0) + value
                 delta.register_hook(taylor)
         return record
+
+    def extra_payload_shapes(self, model, cfg):
+        """Importance of each router, sent in the warm-up rounds (EEQA) only."""
+        if not (self.hparams.eeqa and self.hparams.warmup_rounds):
+            return {}
+        return {IMPORTANCE_KEY: ((len(self._layers_by_router(model)),), torch.float64)}
 
     def client_extra(self, model, state):
         totals, state['importance'] = state['importance'], {}

@@ -6,8 +6,6 @@ import logging
 
 from tqdm import tqdm
 
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.methods.specs import device_for
 from fs_plugins.run.artifacts import save_models
@@ -18,26 +16,20 @@ from fs_plugins.run.checkpoint import (
     server_checkpoint_info,
     should_checkpoint,
 )
-from fs_plugins.run.client import EVAL_SPLITS, ClientProcedure
-from fs_plugins.run.config import client_config, client_overrides, resolve_derived
+from fs_plugins.run.client import EVAL_SPLITS
+from fs_plugins.run.config import client_overrides, resolve_derived
 from fs_plugins.run.results import ResultsLog
-from fs_plugins.run.runtime import build_federated_records, initial_global, predictions_path, results_dir, run_info
+from fs_plugins.run.runtime import (
+    build_clients,
+    build_federated_records,
+    initial_global,
+    predictions_path,
+    results_dir,
+    run_info,
+)
 from fs_plugins.run.server import ServerProcedure
 
 logger = logging.getLogger(__name__)
-
-
-def build_clients(cfg, method_cls, records, overrides, device) -> dict[int, ClientProcedure]:
-    clients = {}
-    for cid in range(1, records.client_num + 1):
-        ccfg = client_config(cfg, overrides.get(cid))
-        method = method_cls(ccfg)
-        try:
-            built = build_model(ccfg, method)
-        except ConfigError as exc:
-            raise ConfigError([f'client {cid}: {p}' for p in exc.problems]) from None
-        clients[cid] = ClientProcedure(cid, ccfg, method, built, records.clients[cid], device)
-    return clients
 
 
 def run_embedded(cfg, client_cfgs=None) -> ResultsLog:

@@ -195,12 +195,13 @@ class MergedLora(_LibraryFactors):
 
 class LoraGate(_LibraryFactors):
     """MoLE: every adapter's output E_n(x); gate = softmax(W_g · LN(concat_n E_n(x)) / τ)
-    over the layer's adapters; Δh = Σ_n gate_n E_n(x)."""
+    over the layer's adapters; Δh = Σ_n gate_n E_n(x). A layer only one adapter targets has no
+    gate (a softmax over one output is 1 whatever W_g is: it would train nothing)."""
 
     def __init__(self, A, B, owner, temperature: float = 1.0):
         super().__init__(A, B, owner)
         n = len(self.adapters)
-        self.gate = nn.Parameter(torch.zeros(n, n * self.out_features))
+        self.gate = nn.Parameter(torch.zeros(n, n * self.out_features)) if n > 1 else None
         self.temperature = temperature
 
     def forward(self, x):
@@ -210,6 +211,8 @@ class LoraGate(_LibraryFactors):
         outputs = torch.stack([part @ b_t for part, b_t in
                                zip(low.split(self.adapter_ranks, dim=1),
                                    self.B_t.split(self.adapter_ranks))], dim=1)  # (T, n, d_out)
+        if self.gate is None:
+            return self._out(outputs[:, 0], x)
         flat = F.layer_norm(outputs.reshape(tokens.shape[0], -1), (n * self.out_features,))
         gates = (F.linear(flat, self.gate) / self.temperature).softmax(-1)
         return self._out((gates.unsqueeze(-1) * outputs).sum(1), x)
