@@ -223,3 +223,24 @@ def test_cli_prints_the_communication_table(tmp_path, capsys):
     assert 'FedAvg-LoRA MB up' in out and "paper's up ratio" in out
     assert re.search(r'^\| 1-4 \| .* \| 1\.000 \| 1\.000 \|$', out, re.M), out
     assert out.rstrip().splitlines()[-1].startswith('paper: Fed-MoLE paper')
+
+
+# the paper's HFLB client of A.9: Llama-3.2-3B (the language model of LLaVA-Llama3.2-3B) with
+# W_s = Llama-3.2-1B, r = 128 on all seven linear modules, N_B = 4, N_s = 40 %
+FEDMOSAIC_PAPER_SIZES = ['fsplug.model.builder', 'causal_lm', 'model.type', 'meta-llama/Llama-3.2-3B@fsplug_llm',
+                         'fsplug.fedmosaic.pivot_builder', 'causal_lm',
+                         'fsplug.fedmosaic.pivot_model_type', 'meta-llama/Llama-3.2-1B@fsplug_llm']
+
+
+@pytest.mark.parametrize('gradient_layer, expected', [('last_down_proj', 0.894), ('lm_head', 1.400)])
+def test_fedmosaic_bytes_at_the_paper_sizes_match_a9(gradient_layer, expected):
+    """A.9: FedMosaic sends 10.9 % less than FedAvg-LoRA (ratio 0.891): with RELA's gradient on
+    W_s's last down_proj within 10 % of it; the LM head's gradient (the old wiring) 1.4x."""
+    cfg = load_config(os.path.join(REPO, 'yamls', 'fedmosaic', 'hflb_dynamic.yaml'),
+                      FEDMOSAIC_PAPER_SIZES + ['fsplug.fedmosaic.gradient_layer', gradient_layer])
+    estimate = estimate_client(cfg, 4, activations=False)
+    claim = get_method_class('fedmosaic').contract.claim
+    assert estimate.claim_ratio == claim.up_ratio == 0.891
+    assert estimate.up_ratio == pytest.approx(expected, abs=0.001)
+    within = abs(estimate.up_ratio - claim.up_ratio) / claim.up_ratio <= claim.tolerance
+    assert within == (gradient_layer == 'last_down_proj')
