@@ -134,7 +134,8 @@ def test_tiny_variants_keep_the_wiring_and_swap_the_model():
     plain = read_yaml(os.path.join(REPO, 'yamls', 'flame', 'alpagasus_flame.yaml'))
     variant = tiny_variant(plain)
     assert variant['fsplug']['model']['builder'] == 'tiny_olmoe'
-    assert variant['fsplug']['model']['lora'] == plain['fsplug']['model']['lora']
+    lora = plain['fsplug']['model']['lora']
+    assert variant['fsplug']['model']['lora'] == {**lora, 'r': min(lora['r'], 16)}   # targets kept, rank capped
     assert variant['fsplug']['flame'] == plain['fsplug']['flame']
     assert variant['fsplug']['method'] == 'flame' and variant['data']['type'] == 'champ_math@fsplug'
     dense = tiny_variant(read_yaml(os.path.join(REPO, 'yamls', 'flame', 'alpagasus_dense_trivial.yaml')))

@@ -20,12 +20,9 @@ import copy
 import fnmatch
 import re
 import tempfile
-from collections import Counter
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from fs_plugins.methods.base import Contract, PaperClaim, weights_of
 from fs_plugins.methods.building import build_model
@@ -136,39 +133,31 @@ class ClientObservation:
     changed: dict[str, bool] = field(default_factory=dict)
     upload_changed: dict[str, bool] = field(default_factory=dict)
     flops: int = 0
+    steps: int = 0   # optimiser steps over the audited rounds
 
 
 def observed_round(client: ClientProcedure, round_idx: int, seen: ClientObservation):
-    """One local round through the FS trainer's step calls, watching every trainable tensor.
-    FLOPs (forward, backward, optimiser) are counted on the first optimiser step of each phase
-    and multiplied by the phase's steps (counting every step costs more than the step)."""
+    """One local round through the FS trainer's step calls, watching every trainable tensor;
+    its FLOPs are the client's own count (`local_flops`, fs_plugins.run.flops)."""
     params, names = client.params, client.trainable_names
     before = {n: params[n].detach().clone() for n in names}
     shared_before = client.method.shared_tensors(client.model, names)
     client.round_idx = round_idx
-    micro_batches = client.begin_round()
-    steps_of = Counter(p.name for p in client.step_phases)
-    counted: set = set()
-    for _ in range(micro_batches):
+    for _ in range(client.begin_round()):
         batch = client.next_batch()
-        phase = client.current_phase.name
         for n in names:
             if params[n].requires_grad:
-                seen.trainable_in.setdefault(n, set()).add(f'r{round_idx}:{phase}')
-        counting = phase not in counted
-        with FlopCounterMode(display=False) if counting else nullcontext() as counter:
-            loss = client.compute_loss(batch)
-            client.optimise(loss)
-        if counting:
-            seen.flops += counter.get_total_flops() * steps_of[phase]
-            if not client.pending:   # the step's last micro-batch: the step is counted
-                counted.add(phase)
+                seen.trainable_in.setdefault(n, set()).add(f'r{round_idx}:{client.current_phase.name}')
+        loss = client.compute_loss(batch)
+        client.optimise(loss)
         client.record(float(loss.detach()), batch['input_ids'].shape[0])
         for n in names:
             grad = params[n].grad
             if grad is not None:
                 seen.grad_max[n] = max(seen.grad_max.get(n, 0.0), float(grad.detach().abs().max()))
     update = client.end_round()
+    seen.flops += int(update.metrics.get('local_flops', 0))
+    seen.steps += int(update.metrics.get('local_steps', 0))
     for n in names:
         seen.changed[n] = seen.changed.get(n, False) or not torch.equal(before[n], params[n].detach())
     for n, value in update.shared.items():
@@ -328,7 +317,7 @@ def _report(cfg, method, procs, rounds, seen, ups, extras, downs, treatment) -> 
               'extra_bytes': sum(extra_bytes.values()),
               'down_bytes': sum(g.down_bytes for g in rows.values()),
               'local_flops': sum(seen[c].flops for c in ids) / per_client,
-              'local_steps': first.steps_per_round()}
+              'local_steps': sum(seen[c].steps for c in ids) / per_client}
     return AuditReport(method=method.name, model=str(cfg.model.type), rounds=rounds,
                        rows=sorted(rows.values(), key=lambda g: g.group), extra_bytes=extra_bytes,
                        totals=totals, fedavg=fedavg_lora_totals(cfg), claim=method.contract.claim,
@@ -398,7 +387,7 @@ def format_report(report: AuditReport) -> str:
              f'round)', '', '| ' + ' | '.join(HEADER) + ' |', '|' + '---|' * len(HEADER)]
     lines += ['| ' + ' | '.join(g.cells()) + ' |' for g in report.rows]
     t, f = report.totals, report.fedavg
-    lines += ['', f"trainable parameters: {int(t['trainable_params']):,}; local steps per pass: "
+    lines += ['', f"trainable parameters: {int(t['trainable_params']):,}; local steps per round: "
                   f"{int(t['local_steps'])}; local FLOPs per round: {t['local_flops']:.3g}",
               f"uploaded: {fmt_bytes(t['up_bytes'])} tensors + {fmt_bytes(t['extra_bytes'])} extra "
               f"payload ({', '.join(f'{k} {fmt_bytes(v)}' for k, v in report.extra_bytes.items()) or 'none'}); "
