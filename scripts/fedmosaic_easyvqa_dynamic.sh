@@ -2,14 +2,14 @@
 # FedMosaic's offline experiment (issue 11): PFL-Dynamic on easy-vqa across two model types
 # (yamls/fedmosaic/easyvqa_dynamic.yaml: clients 1-2 on easyvqa_llava_small, the pivot and W_s;
 # clients 3-4 on easyvqa_llava), FedMosaic against SFT (standalone), FedIT (fedavg) and the
-# personalised baselines (ditto, ...). As in the paper (A.9, "combined with Fed-ET"), the
+# personalised baselines (ditto, feddpa, ...). As in the paper (A.9, "combined with Fed-ET"), the
 # baselines aggregate within each model type (fsplug.aggregation.per_architecture), except
 # PerAda, which distils across model types through logits (A.6). Every method runs at SFT's
 # compute per round (A.6: "we adjust the local training step for each baseline and FedMosaic to
 # use the same computational cost as SFT"; fsplug.train.local_compute matched, ratios of Table
 # 15, docs/baselines.md); LOCAL_COMPUTE=equal_steps gives every phase train.local_update_steps.
 # Self = test_* (the client's own tasks so far), Others = others_*; A_last and A_AUC tables.
-#   SEEDS="1 2 3" METHODS="fedmosaic standalone fedavg ditto" LOCAL_COMPUTE=matched \
+#   SEEDS="1 2 3" METHODS="fedmosaic standalone fedavg ditto feddpa" LOCAL_COMPUTE=matched \
 #     bash scripts/fedmosaic_easyvqa_dynamic.sh
 # (defaults shown; OUT=exp/fedmosaic_easyvqa_dynamic). Finished runs are kept and skipped.
 # EXTRA="key value ..." appends config overrides to every run, e.g. a shorter run on 2 CPU cores:
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-exp/fedmosaic_easyvqa_dynamic}
 runs=()
 for seed in ${SEEDS:-1 2 3}; do
-  for method in ${METHODS:-fedmosaic standalone fedavg ditto}; do
+  for method in ${METHODS:-fedmosaic standalone fedavg ditto feddpa}; do
     dir=$out/seed$seed/$method
     runs+=("$dir")
     [ -f "$dir/summary.md" ] && { echo "$dir: done already, kept"; continue; }
