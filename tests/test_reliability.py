@@ -12,6 +12,7 @@ from helpers import run_embedded_keeping_clients, tiny_yaml_of
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.run import checkpoint
+from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import ConfigError, load_config
 from fs_plugins.run.validation import update_problem
 from fs_plugins.sim import runner
@@ -35,7 +36,7 @@ def crash_in(monkeypatch, where: str, round_idx: int):
     """Makes the run fail in `round_idx`: 'aggregate' after the clients trained, 'train' in a
     client's local round, 'checkpoint' while the server's checkpoint file is written."""
     targets = {'aggregate': (runner.ServerProcedure, 'aggregate'),
-               'train': (runner.ClientProcedure, 'run_round')}
+               'train': (ClientProcedure, 'run_round')}
     if where == 'checkpoint':
         original = checkpoint.write_party
 
@@ -245,14 +246,14 @@ BAD_UPDATES = {
 def test_the_server_rejects_a_bad_update_and_aggregates_the_rest(tmp_path, monkeypatch, kind):
     """Client 2's update is corrupted in round 0: it is rejected with a log line and a results
     row naming client and reason; the global state is the average of the other clients."""
-    original = runner.ClientProcedure.end_round
+    original = ClientProcedure.end_round
 
     def corrupted(self):
         result = original(self)
         if self.client_id == 2 and self.round_idx == 0:
             result.shared = BAD_UPDATES[kind](result.shared)
         return result
-    monkeypatch.setattr(runner.ClientProcedure, 'end_round', corrupted)
+    monkeypatch.setattr(ClientProcedure, 'end_round', corrupted)
     captured = {}
     aggregate = runner.ServerProcedure.aggregate
 
