@@ -36,8 +36,8 @@ from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.models.builders import architecture_only
 from fs_plugins.models.precision import QUANTIZED_BYTES
+from fs_plugins.run.audit import fedavg_lora_up_bytes
 from fs_plugins.run.config import client_config, client_overrides
-from fs_plugins.schema.options import Cfg, to_plain
 
 GIB = 1024 ** 3
 # optimiser state bytes per trainable float32 parameter, by train.optimizer.type
@@ -155,22 +155,6 @@ def download_bytes(method_cls, cfg, shared: dict, extra: dict, client: int) -> t
         return _content_bytes(server.content_for(server.init_server_state(dict(shared)), client)), BEFORE_AGGREGATION
     except META_ERRORS:
         return _tensor_bytes(shared), 'down = the shared tensors (server not run on shapes)'
-
-
-def fedavg_lora_up_bytes(cfg) -> int | None:
-    """Bytes FedAvg-LoRA uploads per client and round on the same builder, model.type and
-    fsplug.model.lora (its shared tensors are its trainable LoRA factors, plus any module the
-    builder or fsplug.model.vision trains); None when the model gets no LoRA tensor."""
-    plain = to_plain(cfg)
-    plain['fsplug']['method'] = 'fedavg'
-    plain['fsplug']['model']['adapter'] = 'lora'
-    plain['fsplug']['model']['quantization'] = 'none'
-    fedavg_cfg = Cfg.wrap(plain)
-    method = get_method_class('fedavg')(fedavg_cfg)
-    with architecture_only(device='meta'):
-        built = build_model(fedavg_cfg, method, share_frozen=False)
-    shared = shared_on_meta(method, built.model, built.trainable_names)
-    return _tensor_bytes(shared) or None
 
 
 def communication(method_cls, method, cfg, built, client: int) -> dict:

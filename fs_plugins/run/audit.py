@@ -27,6 +27,7 @@ import torch
 from fs_plugins.methods.base import Contract, PaperClaim, weights_of
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.models.builders import architecture_only
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import client_overrides, resolve_derived, to_plain
 from fs_plugins.run.results import ResultsLog
@@ -301,13 +302,12 @@ def _report(cfg, method, procs, rounds, seen, ups, extras, downs, treatment) -> 
             if name not in procs[cid].params:
                 g.changed = None
             g.up_bytes += size / per_client
-            g.up_tensors = max(g.up_tensors, 1)
         for name, (_count, size) in downs[cid].items():
             row(name).down_bytes += size / per_client
     for g in rows.values():
         g.server = treatment.get(g.group, set())
         upload_names = {n for cid in ids for n in ups[cid] if group_of(n) == g.group}
-        g.up_tensors = len(upload_names) if upload_names else 0
+        g.up_tensors = len(upload_names)
     extra_bytes: dict[str, int] = {}
     for cid in ids:
         for name, (_, size) in extras[cid].items():
@@ -320,8 +320,13 @@ def _report(cfg, method, procs, rounds, seen, ups, extras, downs, treatment) -> 
               'local_steps': sum(seen[c].steps for c in ids) / per_client}
     return AuditReport(method=method.name, model=str(cfg.model.type), rounds=rounds,
                        rows=sorted(rows.values(), key=lambda g: g.group), extra_bytes=extra_bytes,
-                       totals=totals, fedavg=fedavg_lora_totals(cfg), claim=method.contract.claim,
+                       totals=totals, fedavg=_fedavg_totals(cfg), claim=method.contract.claim,
                        problems=[])
+
+
+def _fedavg_totals(cfg) -> dict[str, float]:
+    size = fedavg_lora_up_bytes(cfg) or 0
+    return {'up_bytes': size, 'down_bytes': size}   # FedAvg-LoRA gets back what it sends
 
 
 def contract_problems(contract: Contract, gradient_free: bool, procs, seen, ups, extras) -> list[str]:
@@ -363,18 +368,22 @@ def contract_problems(contract: Contract, gradient_free: bool, procs, seen, ups,
     return [f'{what} (client {", ".join(map(str, sorted(cids)))})' for what, cids in sorted(found.items())]
 
 
-def fedavg_lora_totals(cfg) -> dict[str, float]:
-    """Bytes FedAvg-LoRA sends up and down per client per round on the same model and LoRA
-    settings (its shared tensors are exactly its trainable ones)."""
+def fedavg_lora_up_bytes(cfg) -> int | None:
+    """Bytes FedAvg-LoRA uploads per client and round on the same builder, model.type and
+    fsplug.model.lora (its shared tensors are its trainable LoRA factors, plus any module the
+    builder or fsplug.model.vision trains), from the model built on the meta device; None when
+    the model gets no LoRA tensor. The audit and `fs-plugins estimate` set methods beside it."""
     plain = to_plain(cfg)
     plain['fsplug']['method'] = 'fedavg'
     plain['fsplug']['model']['adapter'] = 'lora'
+    plain['fsplug']['model']['quantization'] = 'none'
     fedavg_cfg = Cfg.wrap(plain)
     method = get_method_class('fedavg')(fedavg_cfg)
-    built = build_model(fedavg_cfg, method, share_frozen=False)
-    shared = method.shared_tensors(built.model, built.trainable_names)
-    size = sum(t.numel() * t.element_size() for t in shared.values())
-    return {'up_bytes': size, 'down_bytes': size}
+    with architecture_only(device='meta'):
+        built = build_model(fedavg_cfg, method, share_frozen=False)
+    params = dict(built.model.named_parameters())
+    return sum(params[n].numel() * params[n].element_size()
+               for n in built.trainable_names if method.is_shared(n)) or None
 
 
 # ---------------------------------------------------------------------------- output
