@@ -84,43 +84,42 @@ def list_methods(modules: list[str]) -> int:
     return 0
 
 
-def estimate(args) -> int:
+def after_precheck(args, body) -> int:
+    """`body()` (it imports torch) after the YAML's pre-check; a config error, a missing file or
+    a bad value ends in one message and exit code 2."""
     try:
         check_before_imports(args.cfg, args.opts, args.client_cfg)
     except ConfigError as exc:
         return _config_error(exc)
-    from fs_plugins.commands.estimate import estimate_run, format_table  # lazy: imports torch, after the pre-check
-    from fs_plugins.run.config import load_config  # lazy: imports torch, after the pre-check
     logging.basicConfig(level=logging.WARNING)
     try:
+        return body()
+    except ConfigError as exc:
+        return _config_error(exc)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f'fs-plugins: error: {exc}', file=sys.stderr)
+        return 2
+
+
+def estimate(args) -> int:
+    def body() -> int:
+        from fs_plugins.commands.estimate import estimate_run, format_table  # lazy: imports torch, after the pre-check
+        from fs_plugins.run.config import load_config  # lazy: imports torch, after the pre-check
         cfg = load_config(args.cfg, args.opts)
         estimates = estimate_run(cfg, read_yaml(args.client_cfg) if args.client_cfg else None,
                                  args.seq_len, activations=not args.no_activations)
-    except ConfigError as exc:
-        return _config_error(exc)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f'fs-plugins: error: {exc}', file=sys.stderr)
-        return 2
-    print(f'Estimate for {args.cfg} ({cfg.fsplug.method}, {cfg.fsplug.model.dtype} base, '
-          f'quantization {cfg.fsplug.model.quantization}, {cfg.train.optimizer.type}):')
-    print(format_table(estimates))
-    return 0
+        print(f'Estimate for {args.cfg} ({cfg.fsplug.method}, {cfg.fsplug.model.dtype} base, '
+              f'quantization {cfg.fsplug.model.quantization}, {cfg.train.optimizer.type}):')
+        print(format_table(estimates))
+        return 0
+    return after_precheck(args, body)
 
 
 def audit(args) -> int:
-    try:
-        check_before_imports(args.cfg, args.opts, args.client_cfg)
-    except ConfigError as exc:
-        return _config_error(exc)
-    from fs_plugins.commands.audit import run_audit  # lazy: imports torch, after the pre-check
-    logging.basicConfig(level=logging.WARNING)
-    try:
+    def body() -> int:
+        from fs_plugins.commands.audit import run_audit  # lazy: imports torch, after the pre-check
         return run_audit(args)
-    except ConfigError as exc:
-        return _config_error(exc)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f'fs-plugins: error: {exc}', file=sys.stderr)
-        return 2
+    return after_precheck(args, body)
 
 
 def _config_error(exc) -> int:
