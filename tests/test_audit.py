@@ -143,3 +143,10 @@ def test_tiny_variants_keep_the_wiring_and_swap_the_model():
     entry = tiny_client_variant({'model': {'type': 'big@fsplug_llm'}, 'fsplug': {'model': {'lora': {'r': 4}}}},
                                 'tiny_llava')
     assert entry['model']['type'] == 'tiny-llava@fsplug_llm' and entry['fsplug']['model']['lora'] == {'r': 4}
+
+
+def test_a_declared_trainable_tensor_that_does_not_exist_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr(get_method_class('fedavg'), 'contract', Contract(trains=('*lora_A*', '*router*')))
+    problems = audit(_tiny(tmp_path)).problems
+    assert problems == ['*router*: declared to train (Contract.trains) but no trainable tensor matches '
+                        '(client 1, 2)'], problems
