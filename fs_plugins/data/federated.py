@@ -85,19 +85,28 @@ def _split_from_records(records: list[dict], indices: list[int], client_id: int)
     return parts
 
 
-def load_data_records(spec: SplitSpec) -> tuple[list[dict], bool]:
+@dataclass
+class LoadedRecords:
+    records: list[dict]          # those the clients are split from (fsplug.data.select)
+    from_records: bool           # whether their own 'split' field gives train / val / test
+    left_out: list[dict]         # the file's records that `select` left out
+
+
+def load_data_records(spec: SplitSpec) -> LoadedRecords:
     """The records of data.type and whether their own 'split' field gives train / test: a
     GLUE task (fs_plugins.data.glue) always (its files are the splits; max_records caps its
     training file), a record file or builtin dataset as fsplug.data.split_from_records says."""
     data_cfg = spec.options
     glue_source = glue.parse_data_type(spec.source.name, spec.source.root)
     if glue_source is not None:
-        return glue.load_glue(glue_source, data_cfg.max_records), True
-    records = select_records(load_records(resolve_data_path(spec.source)), data_cfg.split_field,
-                             list(data_cfg.select))
+        return LoadedRecords(glue.load_glue(glue_source, data_cfg.max_records), True, [])
+    everything = load_records(resolve_data_path(spec.source))
+    records = select_records(everything, data_cfg.split_field, list(data_cfg.select))
+    kept = {id(r) for r in records}
+    left_out = [r for r in everything if id(r) not in kept]
     if data_cfg.max_records:
         records = records[:data_cfg.max_records]
-    return records, data_cfg.split_from_records
+    return LoadedRecords(records, data_cfg.split_from_records, left_out)
 
 
 def select_records(records: list[dict], field: str, values: list[str]) -> list[dict]:
@@ -114,7 +123,8 @@ def select_records(records: list[dict], field: str, values: list[str]) -> list[d
 
 def split_records(spec: SplitSpec) -> FederatedRecords:
     data_cfg = spec.options
-    records, from_records = load_data_records(spec)
+    loaded = load_data_records(spec)
+    records, from_records = loaded.records, loaded.from_records
     parts = splitters.split(spec.splitter, records, spec.client_num,
                             derive_seed(spec.seed, 'split'), field=data_cfg.split_field,
                             alpha=data_cfg.dirichlet_alpha, min_size=data_cfg.min_client_size)
@@ -136,6 +146,8 @@ def split_records(spec: SplitSpec) -> FederatedRecords:
         clients[cid] = {name: RecordList(part) for name, part in parts.items()
                         if part or name != 'val'}
         client_names[cid] = names[cid - 1]
+    if data_cfg.test_records == 'all':
+        pool_test_records(clients, _test_records_of(loaded.left_out, from_records))
     if data_cfg.evaluate_others:
         add_others_split(clients)
     if data_cfg.dynamic:
@@ -144,6 +156,22 @@ def split_records(spec: SplitSpec) -> FederatedRecords:
         f"client {c} ({client_names[c]}): " + ' / '.join(f'{len(d[s])} {s}' for s in d)
         for c, d in clients.items()))
     return FederatedRecords(clients, client_names)
+
+
+def _test_records_of(left_out: list[dict], from_records: bool) -> list[dict]:
+    """The test records of groups no client trains on: those with split = test when the
+    records carry their split, else all of them."""
+    if not from_records:
+        return list(left_out)
+    return [r for r in left_out if SPLIT_NAMES.get(r.get('split')) == 'test']
+
+
+def pool_test_records(clients: dict[int, dict], extra: list[dict]) -> None:
+    """fsplug.data.test_records = 'all': every client's test split becomes the test records
+    of every client plus `extra` (one shared list, in client order)."""
+    pooled = RecordList([r for cid in sorted(clients) for r in clients[cid]['test']] + extra)
+    for splits in clients.values():
+        splits['test'] = pooled
 
 
 def add_others_split(clients: dict[int, dict]) -> None:

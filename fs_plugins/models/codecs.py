@@ -189,7 +189,10 @@ class EncodedDataset(torch.utils.data.Dataset):
 
     def subset(self, keep) -> EncodedDataset:
         """The examples whose record satisfies keep(record), already encoded ones reused."""
-        indices = [i for i, record in enumerate(self.records) if keep(record)]
+        return self.subset_at([i for i, record in enumerate(self.records) if keep(record)])
+
+    def subset_at(self, indices: list[int]) -> EncodedDataset:
+        """The examples at `indices`, already encoded ones reused."""
         part = object.__new__(EncodedDataset)
         part.codec, part.records = self.codec, [self.records[i] for i in indices]
         part.examples = None if self.examples is None else [self.examples[i] for i in indices]

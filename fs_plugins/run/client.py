@@ -305,13 +305,14 @@ class ClientProcedure:
 
     def _token_metrics(self, dataset, split: str) -> dict:
         return token_metrics(self.model, dataset, self.collate, self._eval_batch_size(), split,
-                             self.device)
+                             self.device, groups=modality_groups(dataset))
 
     def _generation_metrics(self, dataset, split: str) -> dict:
         path = self.predictions_path if split == 'test' else None
         return generation_metrics(self.model, self.codec, dataset.records, self.cfg.fsplug.eval,
                                   self._eval_batch_size(), split, self.device,
-                                  predictions=(path, self.client_id) if path else None)
+                                  predictions=(path, self.client_id) if path else None,
+                                  groups=modality_groups(dataset))
 
 
 def micro_batch_weights(batches: list[dict], loss_units) -> list[tuple[dict, float]]:
@@ -324,34 +325,80 @@ def micro_batch_weights(batches: list[dict], loss_units) -> list[tuple[dict, flo
     return [(batch, count / total) for batch, count in zip(batches, units)]
 
 
-def token_metrics(model, dataset, collate, batch_size: int, split: str, device='cpu') -> dict:
+def modality_groups(dataset) -> dict[str, list[int]]:
+    """{label: record indices} of an evaluation set whose records have different input
+    modalities ('image', 'audio', 'image+audio': the modalities each record feeds the model,
+    as its codec reads them), so each is also scored apart (UniFLoW's Tables 1-3 test every
+    modality separately), whenever the model has encoders of several modalities or the set
+    mixes kinds; {} for a codec without media."""
+    read = getattr(dataset.codec, 'record_modalities', None)
+    if read is None:
+        return {}
+    groups: dict[str, list[int]] = {}
+    for index, record in enumerate(dataset.records):
+        groups.setdefault('+'.join(read(record)) or 'text', []).append(index)
+    several = len(getattr(dataset.codec, 'modality_order', ())) > 1
+    return groups if len(groups) > 1 or several else {}
+
+
+def token_metrics(model, dataset, collate, batch_size: int, split: str, device='cpu',
+                  groups: dict[str, list[int]] | None = None) -> dict:
     """Loss and accuracy of `model` on an encoded dataset as its codec scores them: answer
     tokens and next-token accuracy (<split>_token_acc) for text, the class per example for a
-    classifier (<split>_acc)."""
+    classifier (<split>_acc). With `groups` ({label: record indices}) also each group's, as
+    <split>_<label>_*, from the same forward passes (the whole set's are their sums)."""
     codec = dataset.codec
+    parts = ({label: dataset.subset_at(indices) for label, indices in groups.items()}
+             if groups else {None: dataset})
+    stats = {label: _token_stats(model, part, collate, batch_size, device)
+             for label, part in parts.items()}
+    total = [sum(values) for values in zip(*stats.values())]
+    results = _token_results(codec, split, *total, len(dataset))
+    if groups:
+        for label, part in parts.items():
+            results.update(_token_results(codec, f'{split}_{label}', *stats[label], len(part)))
+    return results
+
+
+def _token_stats(model, dataset, collate, batch_size: int, device) -> tuple[float, int, int]:
+    """(loss sum, correct, scored units) over `dataset`, as its codec scores them."""
     loss_sum, correct, tokens = 0.0, 0, 0
     for batch in eval_batches(dataset, collate, batch_size):
         labels = batch.pop('labels')
         logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-        batch_loss, batch_correct, batch_tokens = codec.score(logits.cpu(), labels)
+        batch_loss, batch_correct, batch_tokens = dataset.codec.score(logits.cpu(), labels)
         loss_sum, correct, tokens = loss_sum + batch_loss, correct + batch_correct, tokens + batch_tokens
-    return {f'{split}_avg_loss': loss_sum / max(tokens, 1),
-            f'{split}_{codec.accuracy_metric}': correct / max(tokens, 1),
-            f'{split}_total': len(dataset)}
+    return loss_sum, correct, tokens
+
+
+def _token_results(codec, prefix: str, loss_sum: float, correct: int, tokens: int,
+                   count: int) -> dict:
+    return {f'{prefix}_avg_loss': loss_sum / max(tokens, 1),
+            f'{prefix}_{codec.accuracy_metric}': correct / max(tokens, 1),
+            f'{prefix}_total': count}
 
 
 def generation_metrics(model, codec, records: list[dict], eval_cfg, batch_size: int, split: str,
-                       device='cpu', predictions: tuple | None = None) -> dict:
+                       device='cpu', predictions: tuple | None = None,
+                       groups: dict[str, list[int]] | None = None) -> dict:
     """fsplug.eval.gen_metrics of greedy answers to the first fsplug.eval.max_gen_samples
-    records; predictions=(path, client id) also writes the answers there."""
+    records; predictions=(path, client id) also writes the answers there. With `groups`
+    ({label: record indices}) the same answers are also scored per group, as
+    <split>_<label>_<metric>."""
     records = records[:eval_cfg.max_gen_samples or len(records)]
     answers = generate_answers(model, codec, records, batch_size, eval_cfg.max_new_tokens, device)
     references = [reference_answer(r) for r in records]
     if predictions:
         write_predictions(predictions[0], predictions[1], records, answers)
     configure_generation_metrics(eval_cfg)
-    return {f'{split}_{name}': GENERATION_METRICS[name](answers, references)
-            for name in eval_cfg.gen_metrics}
+    scored = {split: range(len(records))}
+    for label, indices in (groups or {}).items():
+        kept = [i for i in indices if i < len(records)]
+        if kept:
+            scored[f'{split}_{label}'] = kept
+    return {f'{prefix}_{name}': GENERATION_METRICS[name]([answers[i] for i in indices],
+                                                         [references[i] for i in indices])
+            for prefix, indices in scored.items() for name in eval_cfg.gen_metrics}
 
 
 def generate_answers(model, codec, records: list[dict], batch_size: int, max_new_tokens: int,

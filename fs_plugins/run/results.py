@@ -15,6 +15,7 @@ import torch
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.data.stream import last_and_auc
+from fs_plugins.models.encoder_llm import modalities
 
 SUMMARY_COLUMNS = ('samples', 'bytes_up', 'bytes_down')
 # accuracy columns that also get <name>_auc in the summary: the mean over all evaluations, the
@@ -53,6 +54,7 @@ class ResultsLog:
         with open(os.path.join(out_dir, 'run_info.json'), 'w', encoding='utf-8') as handle:
             json.dump(run_info, handle, indent=2, default=str)
         self.client_names: dict[int, str] = dict(run_info.get('client_names', {}))
+        self.run_label = run_label(run_info)
         # the method's `client_groups(client_ids) -> {label: [client ids]}` (e.g. FLAME's
         # budget levels): the summary gets one row per group, the mean over its clients
         self.client_groups: Callable[[list[int]], dict[str, list[int]]] | None = None
@@ -152,10 +154,29 @@ class ResultsLog:
 
     def summary_markdown(self) -> str:
         columns, table = self.final_rows()
-        lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
-        for row in table:
-            lines.append('| ' + ' | '.join(_fmt(row[c]) for c in columns) + ' |')
+        lines = _markdown(columns, table)
+        by_modality = self.modality_table(columns, table)
+        if by_modality:
+            lines += ['', 'By test modality (the mean over clients of their last evaluation; '
+                          "UniFLoW's Tables 1-3 layout):", *by_modality]
         return '\n'.join(lines)
+
+    def modality_table(self, columns: list[str], table: list[dict]) -> list[str]:
+        """The 'average' row's per-modality test metrics (<split>_<modality>_<metric>, from
+        run.client.modality_groups) as one row, grouped by test modality: the layout of
+        UniFLoW's Tables 1-3 (Image: Acc, P/R/F BERTScore, then Audio: the same)."""
+        average = next((row for row in table if row['client'] == 'average'), None)
+        labels = modality_labels(columns)
+        if average is None or not labels:
+            return []
+        picked = {}
+        for label in labels:
+            prefix = f'test_{label}_'
+            names = [c[len(prefix):] for c in columns if c.startswith(prefix)]
+            for name in sorted((n for n in names if not n.endswith(('_total', '_auc'))),
+                               key=_paper_order):
+                picked[f'{label} {name}'] = average[prefix + name]
+        return _markdown(['method', *picked], [{'method': self.run_label, **picked}])
 
     def close(self) -> str:
         self.write_csv()
@@ -165,6 +186,40 @@ class ResultsLog:
         if not self._jsonl.closed:
             self._jsonl.close()
         return summary
+
+
+def run_label(run_info: dict) -> str:
+    """The run's row label: its method, with the method's `aggregation` and `schedule`
+    options when it has them (UniFLoW: 'uniflow (fed_a2, two_stage)')."""
+    method = run_info.get('method') or 'run'
+    options = ((run_info.get('config') or {}).get('fsplug') or {}).get(method) or {}
+    details = [str(options[k]) for k in ('aggregation', 'schedule') if isinstance(options, dict)
+               and options.get(k)]
+    return f"{method} ({', '.join(details)})" if details else method
+
+
+def modality_labels(columns) -> list[str]:
+    """The test-modality labels ('image', 'audio', 'image+audio', 'text') that have
+    test_<label>_total columns, in the order they appear."""
+    known = set(modalities()) | {'text'}
+    labels = []
+    for column in columns:
+        if column.startswith('test_') and column.endswith('_total'):
+            label = column[len('test_'):-len('_total')]
+            if label and set(label.split('+')) <= known:
+                labels.append(label)
+    return labels
+
+
+def _paper_order(metric: str) -> int:
+    """Accuracy first, then the generation metrics (as configured), the loss last: the
+    column order of UniFLoW's tables (Acc, P/R/F BERTScore)."""
+    return 0 if metric in ('token_acc', 'acc') else 2 if metric == 'avg_loss' else 1
+
+
+def _markdown(columns: list[str], rows: list[dict]) -> list[str]:
+    lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+    return lines + ['| ' + ' | '.join(_fmt(row[c]) for c in columns) + ' |' for row in rows]
 
 
 def _column_means(rows: list[dict], columns) -> dict:

@@ -160,6 +160,14 @@ class DataOptions:
     evaluate_others: bool = option(False, "also evaluate each client on the other clients' test "
                                           "records, as others_* (FedMosaic's 'Others'; with "
                                           'dynamic, the tasks their owners have started)')
+    test_records: str = option('own', "'own': each client is tested on its own test split; "
+                                      "'all': every client is tested on the test records of the "
+                                      'whole data file, of every record group, trained on or '
+                                      'not (a group left out by `select` trains no client and '
+                                      'gives all its records to the test set, or those with '
+                                      "split = test under split_from_records): e.g. UniFLoW's "
+                                      'Tables 1-2, image-only clients tested on image and '
+                                      'audio', choices=('own', 'all'))
 
 
 @dataclass

@@ -171,6 +171,11 @@ def _task_stream(cfg) -> list[str]:
     if data['dynamic'] is True and not data['task_field']:
         return ['fsplug.data.dynamic = True: needs fsplug.data.task_field (the record field '
                 "naming each record's task)"]
+    if data['test_records'] == 'all' and (data['evaluate_others'] is True
+                                          or data['dynamic'] is True):
+        return ["fsplug.data.test_records = 'all' gives every client the same test set: it "
+                'does not combine with fsplug.data.evaluate_others or fsplug.data.dynamic '
+                '(whose test splits are per client)']
     return []
 
 
