@@ -283,10 +283,14 @@ def _report(cfg, method, procs, rounds, seen, ups, extras, downs, treatment) -> 
         return rows.setdefault(group_of(name), GroupRow(group_of(name)))
 
     first = procs[ids[0]]
-    for name in first.trainable_names:
-        g = row(name)
-        g.tensors += 1
-        g.numel += first.params[name].numel()
+    counted = set()   # trainable on any audited client (clients may train different modules)
+    for cid in ids:
+        for name in procs[cid].trainable_names:
+            if name not in counted:
+                counted.add(name)
+                g = row(name)
+                g.tensors += 1
+                g.numel += procs[cid].params[name].numel()
     for cid in ids:
         obs = seen[cid]
         for name in procs[cid].trainable_names:
@@ -516,6 +520,8 @@ def tiny_variant(plain: dict) -> dict:
     out['fsplug'] = _merge(_merge(base['fsplug'], kept), {'model': kept_model})
     if 'library' in model:
         out['fsplug']['model']['library'] = {'adapters': ['builtin:tiny-a', 'builtin:tiny-b']}
+    if family == 'imagebind_vicuna':
+        out['fsplug']['model']['multimodal'] = tiny_multimodal(model.get('multimodal') or {})
     for key in ('pivot_builder', 'pivot_model_type'):
         out['fsplug'].get('fedmosaic', {}).pop(key, None)
     _cap_rank(out)
@@ -524,6 +530,20 @@ def tiny_variant(plain: dict) -> dict:
     for key in get_method_class(method).contract.depth_options:
         if key in options:
             options[key] = min(int(options[key]), TINY_DEPTH)
+    return out
+
+
+def tiny_multimodal(multimodal: dict) -> dict:
+    """The tiny encoders of an encoder + LLM config: an ImageBind encoder becomes the random
+    tiny model of ImageBind's layout (`path: tiny-imagebind`) with the YAML's own LoRA
+    targets, so the audit sees the paper's target names; any other encoder, and a modality
+    the YAML does not configure (the tiny data has both), the tiny CLIP / Whisper."""
+    out = copy.deepcopy(_MEDIA)
+    for modality, tiny in list(out.items()):
+        own = multimodal.get(modality)
+        if isinstance(tiny, dict) and isinstance(own, dict) and own.get('backend') == 'imagebind':
+            out[modality] = {'backend': 'imagebind', 'path': 'tiny-imagebind', 'pool_tokens': 1,
+                             'lora_targets': list(own.get('lora_targets') or [])}
     return out
 
 
