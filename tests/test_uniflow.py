@@ -376,13 +376,11 @@ def test_missing_audio_file_names_it(tmp_path):
 
 
 # ------------------------------------------------------------------ ImageBind backend
-class FakeTrunk(torch.nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.out_proj = torch.nn.Linear(width, width)
-
-    def forward(self, tokens):
-        return self.out_proj(tokens)
+def FakeTrunk(width):
+    """One block of ImageBind's trunk layout: a real nn.MultiheadAttention called as ImageBind
+    calls it (its out_proj bypassed unless the backend wraps it), fc1 / fc2."""
+    from fs_plugins.models.imagebind_layout import Trunk
+    return Trunk(width, blocks=1, heads=2, mlp=2 * width, pre_norm=False, add_bias_kv=False)
 
 
 class FakeImageBind(torch.nn.Module):
@@ -450,6 +448,14 @@ def test_imagebind_backend_gives_one_global_feature_per_input(tmp_path, fake_ima
     assert example['feature_slots'].tolist().count(1) == example['feature_slots'].tolist().count(2) == 1
     assert example['audio_clips'].shape == (1, 3, 1, 4, 6)
     assert trained_parts_per_step(proc)[0] == ENCODER_SIDE
+    encoder_lora = [n for n in proc.trainable_names if 'out_proj.lora_' in n]
+    assert len(encoder_lora) == 4   # A and B, image and audio trunks
+    proc.model.zero_grad()
+    batch = proc.collate([proc.train_data[0]])
+    proc.model(**batch).loss.backward()
+    params = dict(proc.model.named_parameters())
+    assert all(params[n].grad is not None and params[n].grad.abs().sum() > 0
+               for n in encoder_lora if 'lora_B' in n)
 
 
 def test_imagebind_refuses_several_pool_tokens(tmp_path, fake_imagebind):
