@@ -9,6 +9,8 @@ from __future__ import annotations
 from fs_plugins.core import registry
 from fs_plugins.metrics import bertscore
 from fs_plugins.metrics.detection import detection_iou
+from fs_plugins.metrics.execution import execution_accuracy, pass_at_1
+from fs_plugins.metrics.math_answers import mgsm_accuracy
 from fs_plugins.metrics.text import bleu, meteor, rouge_l
 from fs_plugins.metrics.vqa import vqa_accuracy, vqa_exact_accuracy
 
@@ -22,6 +24,9 @@ GENERATION_METRICS = {
     'bertscore_p': bertscore.bertscore_p,
     'bertscore_r': bertscore.bertscore_r,
     'bertscore_f1': bertscore.bertscore_f1,
+    'mgsm_accuracy': mgsm_accuracy,            # SmartFed: final-number match (math_answers)
+    'pass_at_1': pass_at_1,                    # SmartFed: generated code + tests, sandboxed (execution)
+    'execution_accuracy': execution_accuracy,  # SmartFed: executed code's number vs target (execution)
 }
 for _name, _metric in GENERATION_METRICS.items():
     registry.GENERATION_METRICS.add(_name, _metric)
