@@ -59,13 +59,19 @@ def test_image_only_clients_are_scored_per_test_modality(tmp_path):
     """Table 1's setting: the one image client trains, is tested on image, audio and image +
     audio records, each scored apart; the whole set's token metrics are their sums."""
     cfg = tiny_cfg(tmp_path, *IMAGE_ONLY, 'federate.total_round_num', '1',
-                   'train.local_update_steps', '4')
+                   'train.local_update_steps', '4', 'fsplug.eval.generate', 'True',
+                   'fsplug.eval.max_new_tokens', '2', 'fsplug.eval.max_gen_samples', '2',
+                   'fsplug.eval.gen_metrics', "['vqa_exact']")
     results, clients = run_embedded_keeping_clients(cfg)
     client = clients[1]
     assert client.cfg.fsplug.uniflow.client_modalities == ['image']
     row = [r for r in results.rows if r['kind'] == 'eval'][-1]
     labels = ('image', 'audio', 'image+audio')
     assert sum(row[f'test_{m}_total'] for m in labels) == row['test_total']
+    # max_gen_samples caps each test modality: every one gets answers
+    assert all(f'test_{m}_vqa_exact' in row for m in labels) and 'test_vqa_exact' in row
+    with open(client.predictions_path) as handle:
+        assert len(handle.readlines()) == 2 * len(labels)
     dataset = client.eval_data['test']
     groups = modality_groups(dataset)
     assert sorted(groups) == sorted(labels)
@@ -79,7 +85,10 @@ def test_image_only_clients_are_scored_per_test_modality(tmp_path):
     header = summary.split('By test modality')[1].splitlines()[1]
     assert header.startswith('| method |')
     for label in labels:
-        assert f'{label} token_acc' in header
+        assert f'{label} token_acc' in header and f'{label} vqa_exact' in header
+    assert 'total' not in header
+    assert header.index('image token_acc') < header.index('image vqa_exact') < \
+        header.index('image avg_loss')   # the paper's order: Acc, generation metrics, loss
 
 
 def test_a_text_model_has_no_modality_columns(tmp_path):

@@ -383,22 +383,25 @@ def generation_metrics(model, codec, records: list[dict], eval_cfg, batch_size: 
                        groups: dict[str, list[int]] | None = None) -> dict:
     """fsplug.eval.gen_metrics of greedy answers to the first fsplug.eval.max_gen_samples
     records; predictions=(path, client id) also writes the answers there. With `groups`
-    ({label: record indices}) the same answers are also scored per group, as
-    <split>_<label>_<metric>."""
-    records = records[:eval_cfg.max_gen_samples or len(records)]
+    ({label: record indices}) the cap applies per group (each test modality gets answers)
+    and the same answers are also scored per group, as <split>_<label>_<metric>."""
+    cap = eval_cfg.max_gen_samples
+    groups = groups or {}
+    chosen = (sorted(i for indices in groups.values() for i in indices[:cap or len(indices)])
+              if groups else list(range(min(cap or len(records), len(records)))))
+    records = [records[i] for i in chosen]
     answers = generate_answers(model, codec, records, batch_size, eval_cfg.max_new_tokens, device)
     references = [reference_answer(r) for r in records]
     if predictions:
         write_predictions(predictions[0], predictions[1], records, answers)
     configure_generation_metrics(eval_cfg)
-    scored = {split: range(len(records))}
-    for label, indices in (groups or {}).items():
-        kept = [i for i in indices if i < len(records)]
-        if kept:
-            scored[f'{split}_{label}'] = kept
-    return {f'{prefix}_{name}': GENERATION_METRICS[name]([answers[i] for i in indices],
-                                                         [references[i] for i in indices])
-            for prefix, indices in scored.items() for name in eval_cfg.gen_metrics}
+    position = {index: k for k, index in enumerate(chosen)}
+    scored = {split: list(range(len(records)))}
+    for label, indices in groups.items():
+        scored[f'{split}_{label}'] = [position[i] for i in indices if i in position]
+    return {f'{prefix}_{name}': GENERATION_METRICS[name]([answers[k] for k in kept],
+                                                         [references[k] for k in kept])
+            for prefix, kept in scored.items() if kept for name in eval_cfg.gen_metrics}
 
 
 def generate_answers(model, codec, records: list[dict], batch_size: int, max_new_tokens: int,

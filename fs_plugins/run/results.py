@@ -173,7 +173,7 @@ class ResultsLog:
         for label in labels:
             prefix = f'test_{label}_'
             names = [c[len(prefix):] for c in columns if c.startswith(prefix)]
-            for name in sorted((n for n in names if not n.endswith(('_total', '_auc'))),
+            for name in sorted((n for n in names if n != 'total' and not n.endswith('_auc')),
                                key=_paper_order):
                 picked[f'{label} {name}'] = average[prefix + name]
         return _markdown(['method', *picked], [{'method': self.run_label, **picked}])

