@@ -3,8 +3,9 @@
 1. Training step (smollm2 base, batch x seq_len tokens, one optimiser step on a fixed batch):
    fedavg            FedAvg-LoRA from scratch, r = 16 on q_proj, v_proj (FedIT)
    smartfed          routers only over a library of two r = 16 LoRAs on q, v (E = 32 rank-1
-                     experts per matrix), K = 16 (activated rank 16), the paper's router W_r x
-   smartfed_experts  the same with `router_input: experts` (W_r over the experts' activations)
+                     experts per matrix), K = 16 (activated rank 16), the default router over
+                     the experts' activations, W_r (A x) with W_r E × E
+   smartfed_hidden   the same with `router_input: hidden` (a free E × d_in W_r on x)
    Step time: configurations timed in interleaved blocks, median of block means. Peak memory:
    a fresh subprocess per configuration, VmHWM after one local round minus the runtime's RSS
    (bench_fedmole's method). Bytes per round: what a client uploads (= what it receives).
@@ -37,7 +38,7 @@ from bench_fedmole import Trainer, _status_kb, memory_in_subprocess, random_batc
 RANK, TARGETS = 16, ['q_proj', 'v_proj']
 CONFIGS = {'fedavg': ('fedavg', {}),
            'smartfed': ('smartfed', {'budget': RANK}),
-           'smartfed_experts': ('smartfed', {'budget': RANK, 'router_input': 'experts'})}
+           'smartfed_hidden': ('smartfed', {'budget': RANK, 'router_input': 'hidden'})}
 
 
 def make_library(workdir: str) -> list[str]:
@@ -178,9 +179,9 @@ def layer_table(args) -> None:
     for q, s, m in rows:
         print(f"{q:>16} {1000 * s:>10.1f} {s / full:>8.3f} {1000 * m:>10.1f} {s / m:>14.3f}")
     lora = 32 * (d + d)
-    print(f"bytes per matrix (float32): router W_r x {4 * E * d:,} ({E * d / lora:.2f}x a r = 32 "
-          f"LoRA's {4 * lora:,}); router over expert activations {4 * E * E:,} "
-          f"({E * E / lora:.4f}x)")
+    print(f"bytes per matrix (float32): router W_r x (router_input hidden) {4 * E * d:,} "
+          f"({E * d / lora:.2f}x a r = 32 LoRA's {4 * lora:,}); router over the experts' "
+          f"activations W_r (A x) (the default) {4 * E * E:,} ({E * E / lora:.4f}x)")
 
 
 def rank_table(args, workdir) -> None:
@@ -191,10 +192,10 @@ def rank_table(args, workdir) -> None:
     gen = torch.Generator().manual_seed(0)
     importance = torch.rand(len(pools), generator=gen).tolist()
     print(f"\n== 3. activated rank under EEQA (random importance, {len(pools)} matrices of "
-          f"{pools[0]} experts, cap M = {min(pools)}) ==")
+          f"{pools[0]} experts, cap M_j = each pool, the default) ==")
     print(f"{'budget K':>8} {'activated rank':>15} {'min q':>6} {'max q':>6}")
     for budget in (2, 4, 8, 16, 32):
-        quota = eeqa_quota(importance, budget * len(pools), min(pools))
+        quota = eeqa_quota(importance, budget * len(pools), pools)
         trainer.method.apply_quota(trainer.model, torch.tensor(quota))
         print(f"{budget:>8} {trainer.method.activated_rank(trainer.model):>15.2f} "
               f"{min(quota):>6} {max(quota):>6}")

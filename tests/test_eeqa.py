@@ -70,3 +70,33 @@ def test_bad_importance_is_named(importance, match):
 def test_bad_budget_or_cap_is_named():
     with pytest.raises(ValueError, match='budget .* and cap'):
         eeqa_quota([1.0], -1, 2)
+
+
+# ------------------------------------------------------------ one cap per matrix
+def test_one_cap_per_matrix_runs_the_same_two_phases():
+    # phase 1: 1, 1, min(8, 4) = 4 -> residual 4: matrix 2 is full; of the tied others the
+    # first takes all 4 it can (its cap 8 leaves room)
+    assert eeqa_quota([0.1, 0.1, 0.8], budget=10, cap=[8, 8, 4]) == [5, 1, 4]
+    # the same caps as one int give the one-M result
+    assert eeqa_quota([0.7, 0.2, 0.1], budget=10, cap=[4, 4, 4]) == eeqa_quota([0.7, 0.2, 0.1], 10, 4)
+    with pytest.raises(ValueError, match='2 caps for 3 matrices'):
+        eeqa_quota([1, 1, 1], 3, [2, 2])
+
+
+def test_phase_one_is_the_papers_floor():
+    # α·B = 3.9, 3.9, 2.2: floors 3, 3, 2 (not rounded to 4, 4, 2); the residual 2 goes by α
+    # (ties in order) whole: the first matrix takes both
+    assert eeqa_quota([0.39, 0.39, 0.22], budget=10, cap=10) == [5, 3, 2]
+
+
+def test_eeqa_is_forced_exactly_when_the_budget_fills_every_cap():
+    from fs_plugins.aggregation.eeqa import eeqa_is_forced
+    # one M: M <= K (B = K·J) is uniform; the tiny library's pools (8 on q, v; 4 on up, down)
+    # with K = 4 are not
+    assert eeqa_is_forced(4 * 8, 4, 8) and eeqa_is_forced(4 * 8, 3, 8)
+    assert not eeqa_is_forced(4 * 8, 5, 8)
+    pools = [8, 8, 4, 4] * 2
+    assert not eeqa_is_forced(4 * 8, pools, 8) and eeqa_is_forced(6 * 8, pools, 8)
+    for importance in ([1, 2, 3, 4, 5, 6, 7, 8], [8, 1, 1, 1, 1, 1, 1, 1]):
+        assert eeqa_quota(importance, 4 * 8, 4) == [4] * 8                     # forced
+        assert len(set(eeqa_quota(importance, 4 * 8, pools))) > 1              # follows α

@@ -113,6 +113,7 @@ PAPER_COUNTS = {
     'Qwen/Qwen2.5-1.5B-Instruct': 1.54e9,
     'Qwen/Qwen2.5-3B-Instruct': 3.09e9,
     'Qwen/Qwen2.5-7B-Instruct': 7.62e9,
+    'Qwen/Qwen2-7B': 7.62e9,
     'Qwen/Qwen2-VL-7B-Instruct': 8.29e9,
     'FacebookAI/roberta-large': 355e6,
 }
@@ -244,3 +245,30 @@ def test_fedmosaic_bytes_at_the_paper_sizes_match_a9(gradient_layer, expected):
     assert estimate.up_ratio == pytest.approx(expected, abs=0.001)
     within = abs(estimate.up_ratio - claim.up_ratio) / claim.up_ratio <= claim.tolerance
     assert within == (gradient_layer == 'last_down_proj')
+
+
+# SmartFed's Table 1 setting: two r = 32 library LoRAs on q, v (the paper's Query / Value), K = 32;
+# FedIT = FedAvg-LoRA r = 32 on q, v (yamls/smartfed/llama2_7b_sizes.yaml, the library by shape)
+SMARTFED_SIZES = os.path.join(REPO, 'yamls', 'smartfed', 'llama2_7b_sizes.yaml')
+
+
+@pytest.mark.parametrize('model_type, layers, d_in, fedit_per_layer', [
+    ('meta-llama/Llama-2-7b-hf', 32, 4096, 32 * (4096 + 4096) * 2),
+    ('Qwen/Qwen2-7B', 28, 3584, 32 * (3584 + 3584) + 32 * (3584 + 512))])
+def test_smartfed_sends_less_than_fedit_at_the_paper_sizes(model_type, layers, d_in, fedit_per_layer):
+    """The default router (W_r 64 × 64 over the experts' activations) sends 1/64 of FedIT's
+    bytes on LLaMA2-7B; the free E × d_in router exactly FedIT's there (64 × 4096 per matrix =
+    2·32·4096), more on Qwen2-7B (its v_proj is 3584 → 512)."""
+    opts = ['model.type', f'{model_type}@fsplug_llm']
+    smartfed = estimate_client(load_config(SMARTFED_SIZES, opts), 1, activations=False)
+    assert smartfed.sent_params == layers * 2 * 64 * 64
+    assert smartfed.fedavg_mb_up == pytest.approx(layers * fedit_per_layer * 4 / 1e6)
+    assert smartfed.mb_extra == pytest.approx(layers * 2 * 8 / 1e6)     # the warm-up importance
+    assert smartfed.up_ratio < 0.03
+    fedit = estimate_client(load_config(SMARTFED_SIZES, opts + ['fsplug.method', 'fedavg']), 1,
+                            activations=False)
+    assert fedit.mb_up == pytest.approx(smartfed.fedavg_mb_up)
+    hidden = estimate_client(load_config(SMARTFED_SIZES, opts + ['fsplug.smartfed.router_input', 'hidden']),
+                             1, activations=False)
+    assert hidden.sent_params == layers * 2 * 64 * d_in
+    assert hidden.up_ratio >= 1.0

@@ -107,18 +107,31 @@ def test_only_the_routers_train_and_have_gradients(tmp_path, router_input):
     assert layer.router.shape == (layer.num_experts, width)
 
 
-def test_the_top_q_selection_is_what_runs(tmp_path):
-    """A layer's output equals the dense formula masked to its router's top-q experts."""
-    cfg, method, model = built(tmp_path, 'smartfed', 'fsplug.smartfed.budget', '3')
+@pytest.mark.parametrize('router_input', ['experts', 'hidden'])
+def test_the_top_q_selection_is_what_runs(tmp_path, router_input):
+    """A layer's output equals the dense formula masked to its router's top-q experts; the
+    'experts' router scores them from their own activations A x (W_router = W_r A)."""
+    cfg, method, model = built(tmp_path, 'smartfed', 'fsplug.smartfed.budget', '3',
+                               'fsplug.smartfed.router_input', router_input)
     layer = model.model.library_layers['model.layers.0.self_attn.q_proj']
     x = torch.randn(2, 3, layer.in_features)
-    logits = x.reshape(-1, layer.in_features) @ layer.router.t()
+    flat = x.reshape(-1, layer.in_features)
+    scorer = layer.router @ layer.A if router_input == 'experts' else layer.router
+    logits = flat @ scorer.t()
     top, idx = logits.topk(3, dim=-1)
     mask = torch.zeros_like(logits).scatter(1, idx, top.softmax(-1) * 3)
-    expected = dense_rank_mixture(x.reshape(-1, layer.in_features), mask, layer.A, layer.B_t)
-    assert torch.allclose(layer(x).reshape(-1, layer.out_features), expected, atol=1e-6)
+    expected = dense_rank_mixture(flat, mask, layer.A, layer.B_t)
+    assert torch.allclose(layer(x).reshape(-1, layer.out_features), expected, atol=1e-5)
     layer.quota = 0
     assert not layer(x).any()
+
+
+def test_the_default_router_is_the_lightweight_one(tmp_path):
+    """router_input 'experts' by default: W_r is E_j × E_j (E_j² parameters per matrix)."""
+    _, method, model = built(tmp_path, 'smartfed')
+    assert method.hparams.router_input == 'experts'
+    for layer in model.model.library_layers.values():
+        assert layer.router.shape == (layer.num_experts, layer.num_experts)
 
 
 # ----------------------------------------------------------------- EEQA flow
@@ -131,7 +144,8 @@ def test_server_allocates_eeqa_quotas_from_the_clients_importance(tmp_path):
     updates = [ClientUpdate(1, 10, shared, {'smartfed.importance': imp_1}),
                ClientUpdate(2, 30, shared, {'smartfed.importance': imp_2})]
     state = method.aggregate(state, updates)
-    expected = eeqa_quota(((10 * imp_1 + 30 * imp_2) / 40).tolist(), 2 * J, min(state['pools']))
+    assert state['caps'] == state['pools']          # M_j = each matrix's own pool by default
+    expected = eeqa_quota(((10 * imp_1 + 30 * imp_2) / 40).tolist(), 2 * J, state['pools'])
     assert state['quota'].tolist() == expected
     content = method.content_for(state, 1)
     assert content['smartfed.quota'].tolist() == expected
@@ -166,6 +180,156 @@ def test_smartfed_sends_routers_only_far_fewer_bytes_with_the_experts_router(tmp
     lora_bytes = sum(4 * f.A.numel() + 4 * f.B.numel()
                      for f in load_library(LIBRARY[:1], model.model).pop().modules.values())
     assert sum(4 * t.numel() for t in sent.values()) < lora_bytes
+
+
+# ------------------------------------------------------- EEQA's cap M and budget K
+def test_the_default_cap_leaves_eeqa_following_importance(tmp_path):
+    """The tiny library's pools are 8 (q, v: both LoRAs) and 4 (up, down: one LoRA). The old
+    default M = the smallest pool = 4 = K made every q_j = 4 whatever the importance; M_j =
+    each matrix's pool lets important matrices take up to 8 and others fewer."""
+    from fs_plugins.aggregation.eeqa import eeqa_is_forced
+    cfg, method, model = built(tmp_path, 'smartfed')          # budget 4, quota_cap 0
+    shared = method.shared_tensors(model.model, model.trainable_names)
+    state = method.init_server_state(shared)
+    J = len(state['routers'])
+    assert sorted(set(state['caps'])) == [4, 8] and state['per_matrix'] == 4
+    assert eeqa_is_forced(4 * J, 4, J) and not eeqa_is_forced(4 * J, state['caps'], J)
+    importance = torch.linspace(1.0, 8.0, J, dtype=torch.float64)    # not uniform
+    state = method.aggregate(state, [ClientUpdate(1, 10, shared, {'smartfed.importance': importance})])
+    quota = state['quota'].tolist()
+    assert sum(quota) == 4 * J and len(set(quota)) > 1 and max(quota) > 4
+    assert all(q <= cap for q, cap in zip(quota, state['caps']))
+
+
+def test_a_cap_that_makes_eeqa_uniform_is_refused_naming_both_keys(tmp_path):
+    for cap in ('4', '2'):
+        with pytest.raises(ConfigError) as info:
+            config(tmp_path, 'smartfed', 'fsplug.smartfed.budget', '4', 'fsplug.smartfed.quota_cap', cap)
+        message = str(info.value)
+        assert 'fsplug.smartfed.quota_cap' in message and 'fsplug.smartfed.budget' in message
+        assert 'uniform' in message
+    config(tmp_path, 'smartfed', 'fsplug.smartfed.budget', '4', 'fsplug.smartfed.quota_cap', '5')
+    config(tmp_path, 'smartfed', 'fsplug.smartfed.quota_cap', '4', 'fsplug.smartfed.eeqa', 'False')
+
+
+def test_a_budget_that_fills_every_pool_is_warned_about(tmp_path, caplog):
+    """K = 8 on pools of 8 and 4: B = 8·J is more than the pools hold: EEQA cannot differ."""
+    _, method, model = built(tmp_path, 'smartfed', 'fsplug.smartfed.budget', '8')
+    with caplog.at_level('WARNING', logger='fs_plugins.methods.smartfed'):
+        method.init_server_state(method.shared_tensors(model.model, model.trainable_names))
+    assert any('fsplug.smartfed.budget' in r.message and 'fsplug.smartfed.quota_cap' in r.message
+               for r in caplog.records), caplog.text
+
+
+# ------------------------------------------------------- router-only communication
+def test_the_audit_sees_only_routers_leave_the_client(tmp_path):
+    """fs_plugins.run.audit on the tiny federation: every uploaded tensor is a router, every
+    router trains, the only extra payload is the warm-up importance, and the contract holds."""
+    from fs_plugins.run.audit import audit, format_report
+    report = audit(config(tmp_path, 'smartfed'))
+    assert not report.problems, format_report(report)
+    uploaded = [g for g in report.rows if g.up_tensors]
+    assert uploaded and all(g.group.endswith('.library.router') for g in uploaded)
+    assert all(g.grad_max and g.changed and g.server == {'averaged'} for g in uploaded)
+    assert set(report.extra_bytes) == {'smartfed.importance'}
+    assert report.totals['up_bytes'] < report.fedavg['up_bytes']
+
+
+def test_a_non_router_upload_breaks_the_contract(tmp_path, monkeypatch):
+    from fs_plugins.run.audit import audit
+    smartfed = get_method_class('smartfed')
+    original = smartfed.shared_tensors
+
+    def leaky(self, model, names):
+        return {**original(self, model, names),
+                'model.norm.weight': dict(model.named_parameters())['model.norm.weight'].detach().clone()}
+    monkeypatch.setattr(smartfed, 'shared_tensors', leaky)
+    problems = audit(config(tmp_path, 'smartfed')).problems
+    assert any('model.norm.weight' in p and 'declared local' in p for p in problems), problems
+
+
+def test_training_anything_but_the_routers_is_refused(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fs_plugins.models.tiny import ensure_tiny_llama
+    cfg = config(tmp_path, 'smartfed')
+    base = AutoModelForCausalLM.from_pretrained(ensure_tiny_llama()).requires_grad_(False)
+    base.model.norm.weight.requires_grad_(True)   # as a builder's train_projector would
+    with pytest.raises(ConfigError, match='train_projector'):
+        get_method_class('smartfed')(cfg).adapt_model(base, cfg)
+
+
+def test_a_shape_only_library_sizes_but_never_trains(tmp_path):
+    with pytest.raises(ConfigError, match='fs-plugins estimate'):
+        built(tmp_path, 'smartfed', 'fsplug.model.library.adapters', "['shape:r4:q_proj,v_proj']")
+    with pytest.raises(ConfigError, match="shape:r<rank>"):
+        from fs_plugins.models.builders import architecture_only
+        with architecture_only(device='meta'):
+            built(tmp_path, 'smartfed', 'fsplug.model.library.adapters', "['shape:four:q_proj']")
+
+
+# ------------------------------------------------------------ "w/o MoRE"
+def test_without_more_whole_loras_are_the_experts(tmp_path):
+    """expert_granularity module: the router scores the LoRAs on a matrix (2 rows on q, v; no
+    router on up, down, which one LoRA targets: it always runs); K = 4 = one r = 4 LoRA, so
+    each token runs its top-1 LoRA whole, at gate N · softmax over both LoRAs (1 when uniform),
+    and the router learns."""
+    cfg, method, model = built(tmp_path, 'smartfed', 'fsplug.smartfed.expert_granularity', 'module')
+    layers = model.model.library_layers
+    q_proj = layers['model.layers.0.self_attn.q_proj']
+    assert q_proj.router.shape == (2, q_proj.num_experts) and q_proj.quota == 1
+    assert layers['model.layers.0.mlp.up_proj'].router is None
+    assert all(n.endswith('.library.router') and ('q_proj' in n or 'v_proj' in n)
+               for n in model.trainable_names)
+    assert method.activated_rank(model.model) == 4.0
+    torch.nn.init.normal_(q_proj.router, std=1.0)
+    factors = [a.modules['model.layers.0.self_attn.q_proj'] for a in load_library(LIBRARY, model.model)]
+    x = torch.randn(6, q_proj.in_features)
+    probs = 2 * (x @ (q_proj.router @ q_proj.A).t()).softmax(-1)
+    choice = probs.argmax(-1)
+    expected = torch.stack([probs[t, c] * x[t] @ (factors[int(c)].B @ factors[int(c)].A).t()
+                            for t, c in enumerate(choice)])
+    assert torch.allclose(q_proj(x), expected, atol=1e-5)
+    up = layers['model.layers.0.mlp.up_proj']
+    only = load_library(LIBRARY[:1], model.model)[0].modules['model.layers.0.mlp.up_proj']
+    assert torch.allclose(up(x[:, :up.in_features]), x @ (only.B @ only.A).t(), atol=1e-5)
+    loss = method.loss(model.model, batch_of(), method.init_client_state(model.model, cfg))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for n, p in model.model.named_parameters() if n in model.trainable_names)
+
+
+def test_without_more_unequal_ranks_use_the_dense_masked_formula():
+    from fs_plugins.tuners.library import RankWiseExperts
+    torch.manual_seed(0)
+    A, B = torch.randn(5, 6), torch.randn(4, 5)
+    owner = torch.tensor([0, 0, 0, 1, 1])                   # ranks 3 and 2
+    layer = RankWiseExperts(A, B, owner, quota=1, router_init_std=1.0, router_input='hidden',
+                            granularity='module')
+    x = torch.randn(7, 6)
+    probs = 2 * (x @ layer.router.t()).softmax(-1)
+    choice = probs.argmax(-1)
+    parts = [(A[:3], B[:, :3]), (A[3:], B[:, 3:])]
+    expected = torch.stack([probs[t, c] * x[t] @ (parts[int(c)][1] @ parts[int(c)][0]).t()
+                            for t, c in enumerate(choice)])
+    assert torch.allclose(layer(x), expected, atol=1e-5)
+    assert layer.activated_rank == 2.5                      # one LoRA of mean rank 2.5
+
+
+def test_without_more_eeqa_allocates_whole_loras(tmp_path):
+    cfg = config(tmp_path, 'smartfed', 'fsplug.smartfed.expert_granularity', 'module')
+    _, clients = run_embedded_keeping_clients(cfg)
+    for proc in clients.values():
+        routed = [layer for layer in proc.model.library_layers.values() if layer.router is not None]
+        quotas = [layer.quota for layer in routed]
+        assert sum(quotas) == len(routed) and set(quotas) <= {0, 1, 2}   # B = 1 LoRA per matrix
+        assert proc.state['quota_set']
+
+
+def test_without_more_needs_a_budget_of_whole_loras(tmp_path):
+    with pytest.raises(ConfigError, match='divides fsplug.smartfed.budget = 3'):
+        built(tmp_path, 'smartfed', 'fsplug.smartfed.expert_granularity', 'module',
+              'fsplug.smartfed.budget', '3')
 
 
 # ------------------------------------------------------------------ baselines

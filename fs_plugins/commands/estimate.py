@@ -26,6 +26,7 @@ fs_plugins (fs_plugins/models/architectures/); the hub is never asked.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import asdict, dataclass
 
 import torch
@@ -144,12 +145,17 @@ def download_bytes(method_cls, cfg, shared: dict, extra: dict, client: int) -> t
         def zeros(tensors):
             return {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in tensors.items()}
         try:
+            # zero uploads are not measurements: what a server says of them (e.g. SmartFed's "no
+            # usable importance") is not the run's business
+            logging.disable(logging.WARNING)
             server, real = method_cls(cfg), zeros(shared)
             state = server.init_server_state(dict(real))
             updates = [ClientUpdate(cid, 1, dict(real), zeros(extra), dataset_size=1) for cid in (1, 2)]
             return _content_bytes(server.content_for(server.aggregate(state, updates), client)), ''
         except META_ERRORS:
             pass
+        finally:
+            logging.disable(logging.NOTSET)
     try:
         server = method_cls(cfg)
         return _content_bytes(server.content_for(server.init_server_state(dict(shared)), client)), BEFORE_AGGREGATION

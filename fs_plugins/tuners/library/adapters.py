@@ -4,7 +4,11 @@ are composed on. Every factor stays frozen; scaling (alpha / r, or alpha / sqrt(
 is folded into B, so an adapter's update on a module is exactly `B @ A`.
 
 `builtin:<name>` names a library adapter made here (`BUILTIN_ADAPTERS`), built once into the
-cache like the tiny models."""
+cache like the tiny models. `shape:r<rank>:<module>,<module>` (e.g. `shape:r32:q_proj,v_proj`)
+names an adapter by its shapes alone — rank r on every linear layer whose name ends in one of
+the modules, zero factors — for sizing a library that is not on this machine with
+`fs-plugins estimate` (the model built from its architecture only); anything that trains or
+evaluates refuses it."""
 from __future__ import annotations
 
 import os
@@ -18,6 +22,7 @@ from fs_plugins.tuners.library.builtin import BUILTIN_ADAPTERS
 CONFIG_FILE = 'adapter_config.json'
 WEIGHT_FILES = ('adapter_model.safetensors', 'adapter_model.bin')
 BUILTIN_PREFIX = 'builtin:'
+SHAPE_PREFIX = 'shape:'
 # peft's saved keys: 'base_model.model.<module path>.lora_A.weight'
 KEY_PREFIX = 'base_model.model.'
 
@@ -89,10 +94,40 @@ def _same_base(recorded: str | None, model_base: str | None) -> bool:
     return name(recorded) == name(model_base)
 
 
+def shape_adapter(spec: str, model: torch.nn.Module) -> LibraryAdapter:
+    """A `shape:r<rank>:<modules>` entry: zero factors of that rank on every linear layer of
+    `model` whose name ends in one of the modules (on the layer's device: 'meta' when sized);
+    only inside `architecture_only` (fs-plugins estimate), where no weight is read."""
+    from fs_plugins.models.builders import _ARCHITECTURE_ONLY
+    parts = spec[len(SHAPE_PREFIX):].split(':')
+    usage = (f"fsplug.model.library.adapters: '{spec}' is not of the form "
+             f"'shape:r<rank>:<module>,<module>' (e.g. 'shape:r32:q_proj,v_proj')")
+    if len(parts) != 2 or not parts[0].startswith('r') or not parts[0][1:].isdigit() \
+            or int(parts[0][1:]) < 1 or not parts[1].strip():
+        raise ConfigError(usage)
+    if _ARCHITECTURE_ONLY.get() is None:
+        raise ConfigError(f"fsplug.model.library.adapters: '{spec}' gives an adapter's shapes only "
+                          f"(zero factors), for `fs-plugins estimate`; to train or evaluate, list "
+                          f"peft LoRA adapter folders")
+    rank, wanted = int(parts[0][1:]), {m.strip() for m in parts[1].split(',') if m.strip()}
+    modules = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, torch.nn.Linear) and name.rsplit('.', 1)[-1] in wanted:
+            device = layer.weight.device
+            modules[name] = ModuleFactors(torch.zeros(rank, layer.in_features, device=device),
+                                          torch.zeros(layer.out_features, rank, device=device))
+    if not modules:
+        raise ConfigError(f"fsplug.model.library.adapters: '{spec}': the model has no linear "
+                          f"layer named {sorted(wanted)}")
+    return LibraryAdapter(spec, spec, '', modules)
+
+
 def load_adapter(spec: str, model: torch.nn.Module, check_base: bool = True) -> LibraryAdapter:
     """Reads one library entry and checks it against `model` (the plain base model): the
     base it was trained for, every module it targets, and every factor's shape."""
     from peft.utils import load_peft_weights
+    if spec.startswith(SHAPE_PREFIX):
+        return shape_adapter(spec, model)
     path = resolve_path(spec)
     config = _read_config(path, spec)
     model_base = getattr(getattr(model, 'config', None), '_name_or_path', None)

@@ -128,51 +128,126 @@ class _LibraryFactors(nn.Module):
 
 
 class RankWiseExperts(_LibraryFactors):
-    """MoRE: z = W_r x scores all E experts (`router_input` 'hidden', W_r E × d_in; 'experts':
-    z = W_r (A x), W_r E × E over the experts' own activations); the top-q (q = the quota) get
-    g = gate_scale · softmax(z over the q selected); Δh = Σ g_i b_i a_iᵀ x.
-    gate_scale 'quota' multiplies by q, so uniform gates give each selected expert weight 1
-    (all E selected, uniform: the sum of the library's LoRAs); 'one' keeps Σ g = 1."""
+    """MoRE on one matrix: a router scores the layer's routed units, the top-q (q = the quota)
+    get g = gate_scale · softmax(z over the q selected), Δh = Σ g_u (the unit's B A x).
+
+    Units (`granularity`): 'rank' (MoRE) — the E rank-1 experts b_i a_iᵀ; 'module' (the
+    ablation "w/o MoRE") — the N whole library adapters on the layer (all of an adapter's
+    rank-1 experts run with its one gate, the softmax over all N adapters' logits kept for the
+    top-q, times N with gate_scale 'quota': at top-1 a softmax over the selected alone is a
+    constant 1 and the router would not learn; a layer only one adapter targets has no router:
+    that adapter always runs, as MoLE's gate-less layers). The quota counts units.
+
+    Router (`router_input`): 'experts' — z = W_r (A x), W_r (units × E) over the experts' own
+    activations a_iᵀx (A x is computed for every expert anyway: the top-q need it); 'hidden' —
+    z = W_r x, W_r (units × d_in). gate_scale 'quota' multiplies by q, so uniform gates give
+    each selected unit weight 1 (all selected, uniform: the sum of the library's LoRAs); 'one'
+    keeps Σ g = 1. Rank granularity computes only the selected experts (`rank_one_mixture`);
+    module granularity does so when the layer's adapters have one rank, else the dense masked
+    formula."""
 
     def __init__(self, A, B, owner, quota: int, gate_scale: str = 'quota',
-                 router_init_std: float = 0.0, router_input: str = 'hidden'):
+                 router_init_std: float = 0.0, router_input: str = 'experts',
+                 granularity: str = 'rank'):
         super().__init__(A, B, owner)
+        if granularity not in ('rank', 'module'):
+            raise ValueError(f"granularity '{granularity}': 'rank' or 'module'")
+        self.granularity = granularity
+        units = self.num_experts if granularity == 'rank' else len(self.adapter_ranks)
+        self.num_units = units
         width = self.in_features if router_input == 'hidden' else self.num_experts
-        self.router = nn.Parameter(torch.zeros(self.num_experts, width))
         self.router_input = router_input
-        if router_init_std > 0:
-            nn.init.normal_(self.router, std=router_init_std)
+        if units > 1 or granularity == 'rank':
+            self.router = nn.Parameter(torch.zeros(units, width))
+            if router_init_std > 0:
+                nn.init.normal_(self.router, std=router_init_std)
+        else:
+            self.router = None
+        # module granularity: each rank-1 expert's adapter position on this layer (0 .. N-1)
+        self.register_buffer('unit_of', torch.repeat_interleave(
+            torch.arange(len(self.adapter_ranks)), torch.tensor(self.adapter_ranks)), persistent=False)
         self.gate_scale = gate_scale
-        self.quota = min(int(quota), self.num_experts)
+        self.quota = min(int(quota), units)
         self.importance_hook = None   # set while EEQA measures importance: fn(delta)
+
+    @property
+    def activated_rank(self) -> float:
+        """Rank-1 experts a token runs here: the quota (rank), or the selected adapters' ranks
+        (module; their mean rank times the quota when the layer's adapters differ in rank)."""
+        q = max(0, min(self.quota, self.num_units))
+        if self.granularity == 'rank':
+            return float(q)
+        return float(q * sum(self.adapter_ranks) / len(self.adapter_ranks))
+
+    def _logits(self, tokens: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
+        if self.router_input == 'experts':
+            return F.linear(low, self.router)
+        return F.linear(tokens, self.router)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = _tokens(x, self.in_features)
         q = self.quota
         if q <= 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        scale = float(q) if self.gate_scale == 'quota' else 1.0
-        if self.router_input == 'experts':
-            # the experts' own activations a_iᵀx (E·d_in, what a hidden-state router costs)
-            # feed an E × E router; only the selected experts' outputs are computed
-            low = F.linear(tokens, self.A)
-            logits = F.linear(low, self.router)
-            if q >= self.num_experts:
-                delta = (low * logits.softmax(-1) * scale) @ self.B_t
-            else:
-                top, idx = _top(logits, q)
-                coef = low.gather(1, idx) * top.softmax(-1) * scale
-                delta = selected_outputs(coef, idx, self.B_t)
-        else:
-            logits = F.linear(tokens, self.router)
-            if q >= self.num_experts:
-                delta = dense_rank_mixture(tokens, logits.softmax(-1) * scale, self.A, self.B_t)
-            else:
-                top, idx = _top(logits, q)
-                delta = rank_one_mixture(tokens, top.softmax(-1) * scale, idx, self.A, self.B_t)
+        forward = self._modules_forward if self.granularity == 'module' else self._ranks_forward
+        delta = forward(tokens, q)
         if self.importance_hook is not None and not recomputing():
             self.importance_hook(delta)
         return self._out(delta, x)
+
+    def _scale(self, q: int) -> float:
+        return float(q) if self.gate_scale == 'quota' else 1.0
+
+    def _ranks_forward(self, tokens: torch.Tensor, q: int) -> torch.Tensor:
+        scale = self._scale(q)
+        if self.router_input == 'experts':
+            # the experts' own activations a_iᵀx feed an E × E router; only the selected
+            # experts' outputs are computed
+            low = F.linear(tokens, self.A)
+            logits = self._logits(tokens, low)
+            if q >= self.num_experts:
+                return (low * logits.softmax(-1) * scale) @ self.B_t
+            top, idx = _top(logits, q)
+            coef = low.gather(1, idx) * top.softmax(-1) * scale
+            return selected_outputs(coef, idx, self.B_t)
+        logits = self._logits(tokens, None)
+        if q >= self.num_experts:
+            return dense_rank_mixture(tokens, logits.softmax(-1) * scale, self.A, self.B_t)
+        top, idx = _top(logits, q)
+        return rank_one_mixture(tokens, top.softmax(-1) * scale, idx, self.A, self.B_t)
+
+    def _modules_forward(self, tokens: torch.Tensor, q: int) -> torch.Tensor:
+        """Whole adapters as the units: the top-q adapters per token, each adapter's rank-1
+        experts at its gate."""
+        n = self.num_units
+        q = min(q, n)
+        if self.router is None:   # one adapter: it runs whole, at weight 1 (no routing)
+            return dense_rank_mixture(tokens, tokens.new_ones(self.num_experts), self.A, self.B_t)
+        low = F.linear(tokens, self.A) if self.router_input == 'experts' else None
+        logits = self._logits(tokens, low)
+        # the softmax over all N adapters, kept for the top-q (a softmax over the selected alone
+        # is 1 at top-1, and the router would never learn); 'quota' scales by N: uniform gates
+        # give each selected adapter weight 1
+        probs = logits.softmax(-1) * (float(n) if self.gate_scale == 'quota' else 1.0)
+        if q >= n:
+            return self._adapter_mixture(tokens, low, probs[:, self.unit_of])
+        _, chosen = _top(logits, q)
+        gates = probs.gather(1, chosen)                     # (T, q) over the chosen adapters
+        if len(set(self.adapter_ranks)) == 1:   # one rank r: the chosen adapters' q·r experts only
+            rank = self.adapter_ranks[0]
+            offsets = torch.arange(rank, device=chosen.device)
+            idx = (chosen * rank).unsqueeze(-1).add(offsets).reshape(chosen.shape[0], -1)  # sorted
+            weights = gates.repeat_interleave(rank, dim=1)
+            if low is None:
+                return rank_one_mixture(tokens, weights, idx, self.A, self.B_t)
+            return selected_outputs(low.gather(1, idx) * weights, idx, self.B_t)
+        dense = torch.zeros_like(logits).scatter(1, chosen, gates)   # (T, N)
+        return self._adapter_mixture(tokens, low, dense[:, self.unit_of])
+
+    def _adapter_mixture(self, tokens, low, rank_weights):
+        if low is None:
+            return dense_rank_mixture(tokens, rank_weights, self.A, self.B_t)
+        return (low * rank_weights) @ self.B_t
 
 
 class MergedLora(_LibraryFactors):
