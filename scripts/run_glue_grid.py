@@ -6,6 +6,7 @@
                                           [--runner auto|fs|embedded] [--force] [--dry-run]
                                           [-- KEY VALUE ...]
     python scripts/run_glue_grid.py table [--out exp/glue] [--metric test_acc]
+    python scripts/run_glue_grid.py curves [--out exp/glue] [--metric test_acc]
 
 `run` runs one `fs-plugins run` per cell, from one YAML per task (`{task}` in --yaml) with the
 cell's settings as command-line overrides (seed, fsplug.method, the adapter's keys below, then
@@ -16,7 +17,16 @@ grid goes on. `run` ends with the table; `table` prints it from what <out> holds
 
 A run's accuracy is its clients' last evaluation of --metric pooled over their test records
 (Σ acc_k n_k / Σ n_k: the accuracy over the whole validation file); a cell is the mean ± the
-sample standard deviation over seeds, in percent, and Avg. the mean over the tasks.
+sample standard deviation over seeds, in percent, and Avg. the mean over the tasks. `curves`
+prints the same pooled accuracy at every evaluated round (mean over seeds), one column per
+task × adapter × method, to see whether a method's curve flattens.
+
+The classification head trains on every client and stays there (fsplug.model.head: local,
+the default: UniFLoW Table 7 communicates the LoRA factors only; each client is evaluated
+with its own head); `-- fsplug.model.head shared` uploads and averages it with every method.
+FedA²'s λ: `-- fsplug.fed_a2.ridge_mode always fsplug.fed_a2.ridge 0.1` for Table 12's
+reading (λ every round) instead of the YAMLs' Eq. 13 case split (λ = 1 only when A Aᵀ is
+singular); use one --out per setting, since the cells are keyed by method.
 
 Offline, on the tiny fixture:
     python scripts/run_glue_grid.py run --yaml yamls/glue/tiny.yaml --seeds 1 2 \\
@@ -134,6 +144,45 @@ def run_accuracy(run_dir: str, metric: str) -> float | None:
     return sum(v * n for v, n in last.values()) / total if total else None
 
 
+def run_curve(run_dir: str, metric: str) -> dict[int, float]:
+    """{round: `metric` pooled over the clients evaluated at that round} of one run."""
+    path = os.path.join(run_dir, 'results.jsonl')
+    rounds: dict[int, list[tuple[float, float]]] = {}
+    if os.path.isfile(path):
+        with open(path, encoding='utf-8') as handle:
+            for line in handle:
+                row = json.loads(line)
+                if row['kind'] == 'eval' and metric in row:
+                    total = row.get(metric.split('_', 1)[0] + '_total', 1)
+                    rounds.setdefault(int(row['round']), []).append((row[metric], total))
+    return {r: sum(v * n for v, n in vals) / sum(n for _, n in vals)
+            for r, vals in sorted(rounds.items()) if sum(n for _, n in vals)}
+
+
+def curves(out: str, metric: str) -> str:
+    """Per-round pooled `metric` (%), mean over seeds, one column per task × adapter × method."""
+    columns: dict[str, dict[int, list[float]]] = {}
+    for task in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        for adapter in _subdirs(os.path.join(out, task)):
+            for method in _subdirs(os.path.join(out, task, adapter)):
+                name = f'{task}/{adapter}/{method}'
+                for seed in _subdirs(os.path.join(out, task, adapter, method)):
+                    curve = run_curve(os.path.join(out, task, adapter, method, seed), metric)
+                    for r, value in curve.items():
+                        columns.setdefault(name, {}).setdefault(r, []).append(value)
+    if not columns:
+        return f'{out}: no finished runs with {metric}'
+    names = sorted(columns)
+    rounds = sorted({r for c in columns.values() for r in c})
+    lines = [f'{metric} per round (%, pooled over clients; mean over seeds, n in brackets)', '',
+             '| round | ' + ' | '.join(names) + ' |', '|---|' + '---|' * len(names)]
+    for r in rounds:
+        cells = [columns[n].get(r) for n in names]
+        lines.append(f'| {r + 1} | ' + ' | '.join(
+            f'{100 * statistics.mean(v):.2f} (n={len(v)})' if v else '–' for v in cells) + ' |')
+    return '\n'.join(lines)
+
+
 def collect(out: str, metric: str) -> dict[tuple[str, str, str], list[float]]:
     """{(task, adapter, method): accuracy of each seed's run} under `out`."""
     cells: dict[tuple[str, str, str], list[float]] = {}
@@ -204,12 +253,16 @@ def main(argv=None) -> int:
     run.add_argument('--force', action='store_true', help='rerun finished cells')
     run.add_argument('--dry-run', action='store_true', help='print the commands only')
     show = sub.add_parser('table', help='print the table of the finished runs')
-    for parser_ in (run, show):
+    per_round = sub.add_parser('curves', help='print the per-round curves of the finished runs')
+    for parser_ in (run, show, per_round):
         parser_.add_argument('--out', default='exp/glue', help='root of the results directories')
         parser_.add_argument('--metric', default='test_acc')
     args = parser.parse_args(argv)
     if args.command == 'table':
         print_table(args.out, args.metric)
+        return 0
+    if args.command == 'curves':
+        print(curves(args.out, args.metric))
         return 0
     args.overrides = overrides
     return run_grid(args)

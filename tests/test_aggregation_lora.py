@@ -15,7 +15,7 @@ from fs_plugins.aggregation import (
     lora_delta_norm,
     weighted_average,
 )
-from fs_plugins.aggregation.lora import FED_A2_COND_THRESHOLD, FED_A2_RIDGE_EPS
+from fs_plugins.aggregation.lora import FED_A2_RIDGE_EPS, FED_A2_SINGULAR_COND, is_singular, ridge_lambda
 
 SHAPES = [(24, 16), (10, 33)]          # (d_in, d_out), both d_in != d_out
 WEIGHTS = {
@@ -85,11 +85,14 @@ def test_fed_a2_given_lam_is_closed_form(lam):
     for d_in, d_out in SHAPES:
         As, Bs = _clients(3, 4, d_in, d_out, dtype=torch.float64, seed=7)
         weights = [2, 1, 5]
-        A, B = fed_a2(As, Bs, weights, lam=lam)
+        A, B = fed_a2(As, Bs, weights, lam=lam, ridge_mode='always')
         A_cf, B_cf = _closed_form(As, Bs, weights, lam)
         assert _rel(A, A_cf) < 1e-12
         assert _rel(B, B_cf) < 1e-10
-        assert _rel(B, fed_a2_naive(As, Bs, weights, lam=lam)[1]) < 1e-10
+        assert _rel(B, fed_a2_naive(As, Bs, weights, lam=lam, ridge_mode='always')[1]) < 1e-10
+        # when_singular (the method's default): A Aᵀ is well conditioned here, so no λ
+        B_split = fed_a2(As, Bs, weights, lam=lam, ridge_mode='when_singular')[1]
+        assert _rel(B_split, _closed_form(As, Bs, weights, 0.0)[1]) < 1e-10
         # first-order optimality of ‖BA − U‖² + lam‖B‖²: (BA − U)Aᵀ + lam B = 0
         U = _U(As, Bs, weights)
         grad = (B @ A - U) @ A.T + lam * B
@@ -116,7 +119,7 @@ def test_fed_a2_explicit_ridge_matches_naive_float64(lam):
     for d_in, d_out in SHAPES:
         for K, weights in ((2, [3, 1]), (4, [1, 0, 2.5, 7])):
             As, Bs = _clients(K, 3, d_in, d_out, dtype=torch.float32, seed=K * 31 + d_in)
-            A, B = fed_a2(As, Bs, weights, lam=lam)
+            A, B = fed_a2(As, Bs, weights, lam=lam, ridge_mode='always')
             A_ref, B_ref = _naive_fed_a2_ridge(As, Bs, weights, lam)
             assert A.dtype == torch.float32 and B.dtype == torch.float32
             assert A.shape == (3, d_in) and B.shape == (d_out, 3)
@@ -165,15 +168,19 @@ def test_fed_a2_rank_deficient_fallback(case):
     A, B = fed_a2(As, Bs, weights)
     G = A.double() @ A.double().T
     eig = torch.linalg.eigvalsh(G)
-    assert eig[0] <= 0 or eig[-1] / eig[0] >= FED_A2_COND_THRESHOLD    # the fallback is exercised
+    assert eig[0] <= 0 or eig[-1] / eig[0] >= FED_A2_SINGULAR_COND    # the fallback is exercised
     assert torch.isfinite(B).all()
     _, B_ref = fed_a2_naive(As, Bs, weights)
     assert _rel(B, B_ref) < 1e-4, name
     # the fallback is the documented ridge λ = eps · trace(A Aᵀ) / r
     lam = _ridge(A)
     assert lam > 0
-    assert _rel(B, fed_a2(As, Bs, weights, lam=lam)[1]) < 1e-12
+    assert _rel(B, fed_a2(As, Bs, weights, lam=lam, ridge_mode='always')[1]) < 1e-12
     assert _rel(B, _closed_form(As, Bs, weights, lam)[1]) < 1e-4
+    # singular, so when_singular applies a given λ too, the same as always
+    for given in (lam, 0.3):
+        assert torch.equal(fed_a2(As, Bs, weights, lam=given, ridge_mode='when_singular')[1],
+                           fed_a2(As, Bs, weights, lam=given, ridge_mode='always')[1])
     # deterministic
     assert torch.equal(B, fed_a2(As, Bs, weights)[1])
 
@@ -188,9 +195,47 @@ def test_fed_a2_degenerate_inputs():
     singular[1][1] = 0
     with pytest.raises(ValueError, match='singular'):
         fed_a2(singular, Bs, [1, 1], lam=0.0)
+    with pytest.raises(ValueError, match='singular'):
+        fed_a2(singular, Bs, [1, 1], lam=0.0, ridge_mode='always')
     for bad in (-1.0, float('nan'), float('inf'), 'x'):
         with pytest.raises(ValueError, match='lam'):
             fed_a2(As, Bs, [1, 1], lam=bad)
+    with pytest.raises(ValueError, match='ridge_mode'):
+        fed_a2(As, Bs, [1, 1], ridge_mode='sometimes')
+    for bad in (1.0, 0.5, float('inf')):
+        with pytest.raises(ValueError, match='singular_cond'):
+            fed_a2(As, Bs, [1, 1], singular_cond=bad)
+
+
+def test_ridge_lambda_is_the_one_rule():
+    """ridge_lambda: when_singular gives 0 below the threshold and λ (or the scale-relative
+    1e-6·mean eigenvalue for lam=None) at or above it; always gives λ whatever the condition."""
+    well = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    ill = torch.tensor([1e-7, 1.0, 2.0], dtype=torch.float64)          # cond 2e7
+    singular = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
+    assert not is_singular(well) and is_singular(ill) and is_singular(singular)
+    assert is_singular(well, singular_cond=4.0) and not is_singular(well, singular_cond=4.5)
+    split = 'when_singular'
+    assert ridge_lambda(well, 1.0, split) == 0.0
+    assert ridge_lambda(ill, 1.0, split) == ridge_lambda(singular, 1.0, split) == 1.0
+    assert ridge_lambda(well, 1.0, 'always') == 1.0
+    # no mode given: a given λ always applies, lam=None only when singular
+    assert ridge_lambda(well, 1.0) == 1.0 and ridge_lambda(well, None) == 0.0
+    assert ridge_lambda(well, 0.0, 'always') == 0.0
+    assert ridge_lambda(ill, None) == pytest.approx(FED_A2_RIDGE_EPS * float(ill.mean()))
+    assert ridge_lambda(well, None, 'always') == pytest.approx(FED_A2_RIDGE_EPS * float(well.mean()))
+    assert ridge_lambda(torch.zeros(3, dtype=torch.float64), None) == 1.0     # A = 0: B = 0
+    assert ridge_lambda(ill, 1.0, split, singular_cond=1e8) == 0.0
+
+
+def test_fed_a2_info_reports_lambda_and_condition():
+    As, Bs = _clients(3, 4, 24, 16, seed=21)
+    info = {}
+    A, _ = fed_a2(As, Bs, [1, 2, 3], lam=0.7, ridge_mode='when_singular', info=info)
+    eig = torch.linalg.eigvalsh(A.double() @ A.double().T)
+    assert info['lam'] == 0.0 and info['cond'] == pytest.approx(float(eig[-1] / eig[0]))
+    fed_a2(As, Bs, [1, 2, 3], lam=0.7, ridge_mode='always', info=info)
+    assert info['lam'] == 0.7
 
 
 def _largest_allocation(fn):
@@ -417,13 +462,13 @@ def test_fed_a2_pad_mixed_ranks_matches_naive_padding(ranks, lam):
         for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
             As, Bs = _clients(len(ranks), ranks, d_in, d_out, dtype=dtype, seed=sum(ranks) + d_in)
             weights = list(range(1, len(ranks) + 1))
-            A, B = fed_a2(As, Bs, weights, lam=lam, pad=True)
+            A, B = fed_a2(As, Bs, weights, lam=lam, pad=True, ridge_mode='always')
             A_ref, B_ref = _naive_padded_fed_a2(As, Bs, weights, lam)
             assert A.shape == (max(ranks), d_in) and B.shape == (d_out, max(ranks))
             assert A.dtype == dtype and B.dtype == dtype
             assert _rel(A, A_ref) < tol and _rel(B, B_ref) < tol, (ranks, lam, dtype)
             # the materialising reference agrees, and A is HetLoRA's padded average of the A's
-            assert _rel(B, fed_a2_naive(As, Bs, weights, lam=lam, pad=True)[1]) < tol
+            assert _rel(B, fed_a2_naive(As, Bs, weights, lam=lam, pad=True, ridge_mode='always')[1]) < tol
             torch.testing.assert_close(A, hetlora_pad(As, Bs, weights)[0])
             # a client keeps the first r_k components (hetlora_truncate)
             A_k, B_k = hetlora_truncate(A, B, min(ranks))
@@ -433,8 +478,10 @@ def test_fed_a2_pad_mixed_ranks_matches_naive_padding(ranks, lam):
 def test_fed_a2_pad_is_a_no_op_for_equal_ranks():
     As, Bs = _clients(3, 4, 24, 16, seed=8)
     for lam in (None, 0.0, 1.0):
-        plain, padded = fed_a2(As, Bs, [1, 2, 3], lam=lam), fed_a2(As, Bs, [1, 2, 3], lam=lam, pad=True)
-        assert all(torch.equal(x, y) for x, y in zip(plain, padded))
+        for mode in ('when_singular', 'always'):
+            plain = fed_a2(As, Bs, [1, 2, 3], lam=lam, ridge_mode=mode)
+            padded = fed_a2(As, Bs, [1, 2, 3], lam=lam, pad=True, ridge_mode=mode)
+            assert all(torch.equal(x, y) for x, y in zip(plain, padded))
 
 
 # ------------------------------------------------------------------------------ FedEx residual

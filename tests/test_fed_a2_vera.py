@@ -1,4 +1,5 @@
-"""FedA² for VeRA (aggregation.lora.fed_a2_vera against naive formulas), the two-stage
+"""FedA² for VeRA (aggregation.lora.fed_a2_vera against naive formulas, under the same
+`ridge_mode` / `singular_cond` rule as LoRA with its own λ `vera_ridge`), the two-stage
 schedule `fsplug.fed_a2.fedavg_rounds` (FedAvg first, FedA² after), and tiny VeRA runs of
 fed_a2 and of the baselines of UniFLoW Table 4 (FFA-, FedSA-, FedDPA-VeRA)."""
 import os
@@ -61,8 +62,9 @@ def _rel(x, y):
 @pytest.mark.parametrize('lam', [0.0, 0.3, None])
 def test_fed_a2_vera_matches_naive_and_the_formula(K, weights, lam):
     A, B, ds, bs = _vera_case(K, seed=K)
-    d, b = fed_a2_vera(A, B, ds, bs, weights, lam=lam)
-    d_ref, b_ref = fed_a2_vera_naive(A, B, ds, bs, weights, lam=lam)
+    mode = 'when_singular' if lam is None else 'always'
+    d, b = fed_a2_vera(A, B, ds, bs, weights, lam=lam, ridge_mode=mode)
+    d_ref, b_ref = fed_a2_vera_naive(A, B, ds, bs, weights, lam=lam, ridge_mode=mode)
     assert torch.equal(d, d_ref)
     assert torch.equal(d, weighted_average([{'d': x} for x in ds], weights)['d'])   # FedAvg's
     assert _rel(b, b_ref) < 1e-10
@@ -73,7 +75,7 @@ def test_fed_a2_vera_minimises_the_objective():
     """λ_b is the minimiser: the objective's gradient vanishes there (λ = 0.5)."""
     A, B, ds, bs = _vera_case(3, seed=7)
     p, lam = _p([1, 1, 2]), 0.5
-    d, b = fed_a2_vera(A, B, ds, bs, [1, 1, 2], lam=lam)
+    d, b = fed_a2_vera(A, B, ds, bs, [1, 1, 2], lam=lam, ridge_mode='always')
     U = sum(pk * (bk[:, None] * B) @ (dk[:, None] * A) for pk, dk, bk in zip(p, ds, bs))
     x = b.clone().requires_grad_(True)
     loss = ((x[:, None] * (B @ (d[:, None] * A)) - U) ** 2).sum() + lam * (x ** 2).sum()
@@ -83,9 +85,9 @@ def test_fed_a2_vera_minimises_the_objective():
 
 def test_float32_inputs_keep_their_dtype_and_match():
     A, B, ds, bs = _vera_case(3, r=16, d_in=64, d_out=48, dtype=torch.float32, seed=3)
-    d, b = fed_a2_vera(A, B, ds, bs, [3, 1, 2], lam=1.0)
+    d, b = fed_a2_vera(A, B, ds, bs, [3, 1, 2], lam=1.0, ridge_mode='always')
     assert d.dtype == b.dtype == torch.float32 and d.shape == (16,) and b.shape == (48,)
-    assert _rel(b, fed_a2_vera_naive(A, B, ds, bs, [3, 1, 2], lam=1.0)[1]) < 1e-6
+    assert _rel(b, fed_a2_vera_naive(A, B, ds, bs, [3, 1, 2], lam=1.0, ridge_mode='always')[1]) < 1e-6
 
 
 def test_common_lambda_d_gives_shrunk_fedavg_of_lambda_b():
@@ -111,6 +113,29 @@ def test_a_zero_row_gets_zero_and_none_resolves_a_ridge():
     lam = FED_A2_RIDGE_EPS * float(den.mean())
     _, b = fed_a2_vera(A, B, ds, bs, [1, 1], lam=None)
     assert _rel(b, _formula(A, B, ds, bs, [1, 1], lam)[1]) < 1e-10
+
+
+def test_vera_ridge_mode_uses_the_shared_singular_rule():
+    """The λ_b problem's Gram matrix is diag(c_i G c_iᵀ): when_singular applies λ only when its
+    max/min reaches singular_cond (the LoRA path's rule, aggregation.lora.ridge_lambda), always
+    applies it every round."""
+    A, B, ds, bs = _vera_case(3, seed=9)
+    d = sum(pk * dk for pk, dk in zip(_p([1, 2, 3]), ds))
+    den = torch.stack([(B[i] * d) @ A @ A.T @ (B[i] * d) for i in range(B.shape[0])])
+    assert float(den.max() / den.min()) < 1e6                        # well conditioned
+    exact = _formula(A, B, ds, bs, [1, 2, 3], 0.0)[1]
+    ridged = _formula(A, B, ds, bs, [1, 2, 3], 0.4)[1]
+    split = {'ridge_mode': 'when_singular'}
+    assert _rel(fed_a2_vera(A, B, ds, bs, [1, 2, 3], lam=0.4, **split)[1], exact) < 1e-10
+    assert _rel(fed_a2_vera(A, B, ds, bs, [1, 2, 3], lam=0.4, ridge_mode='always')[1], ridged) < 1e-10
+    below = float(den.max() / den.min()) * 0.9                      # the same rows now "singular"
+    assert _rel(fed_a2_vera(A, B, ds, bs, [1, 2, 3], lam=0.4, singular_cond=below, **split)[1],
+                ridged) < 1e-10
+    B[2] *= 1e-4                                                     # one row's c_i G c_iᵀ ~1e-8 of the rest
+    info = {}
+    _, b = fed_a2_vera(A, B, ds, bs, [1, 2, 3], lam=0.4, info=info, **split)
+    assert info['cond'] >= 1e6 and info['lam'] == 0.4
+    assert _rel(b, _formula(A, B, ds, bs, [1, 2, 3], 0.4)[1]) < 1e-10
 
 
 def test_malformed_inputs_name_the_client():
@@ -178,7 +203,7 @@ def test_fedavg_rounds_default_is_fed_a2_from_the_start():
     updates = _lora_updates(torch.Generator().manual_seed(1))
     state = method.aggregate(method.init_server_state({}), updates)
     A, B = fed_a2([u.shared[A_KEY] for u in updates], [u.shared[B_KEY] for u in updates],
-                  weights_of(updates), lam=1.0, pad=True)
+                  weights_of(updates), lam=1.0, pad=True, ridge_mode='when_singular')
     assert torch.equal(state['global'][A_KEY], A) and torch.equal(state['global'][B_KEY], B)
     with pytest.raises(ConfigError, match='fedavg_rounds'):
         load_config(TINY, ['fsplug.fed_a2.fedavg_rounds', '-1'])
@@ -232,7 +257,8 @@ def test_fedavg_rounds_switches_after_n_rounds_vera():
 
 def test_vera_uses_vera_ridge_not_ridge():
     method = FedA2LoRA(load_config(TINY, VERA + ['fsplug.fed_a2.vera_ridge', '0.5',
-                                                 'fsplug.fed_a2.ridge', '0']))
+                                                 'fsplug.fed_a2.ridge', '0',
+                                                 'fsplug.fed_a2.ridge_mode', 'always']))
     assert FedA2LoRA(load_config(TINY, VERA)).hparams.vera_ridge is None
     gen = torch.Generator().manual_seed(5)
     updates = [ClientUpdate(k, 1, {_D: torch.randn(16, generator=gen),
@@ -240,8 +266,16 @@ def test_vera_uses_vera_ridge_not_ridge():
     state = method.aggregate(method.init_server_state({}), updates)
     layer = method.vera_projections()[_D]
     d, b = fed_a2_vera(layer.A, layer.B, [u.shared[_D] for u in updates],
-                       [u.shared[_B] for u in updates], [1, 1], lam=0.5)
+                       [u.shared[_B] for u in updates], [1, 1], lam=0.5, ridge_mode='always')
     assert torch.equal(state['global'][_D], d) and torch.equal(state['global'][_B], b)
+    plain = fed_a2_vera(layer.A, layer.B, [u.shared[_D] for u in updates],
+                        [u.shared[_B] for u in updates], [1, 1], lam=0.0)[1]
+    assert _rel(b, plain) > 1e-3                                      # λ = 0.5 really applied
+    # the default mode: the same updates, whose diagonal Gram matrix is well conditioned, get
+    # the exact fit (no λ), as for LoRA
+    default = FedA2LoRA(load_config(TINY, VERA + ['fsplug.fed_a2.vera_ridge', '0.5']))
+    state = default.aggregate(default.init_server_state({}), updates)
+    assert _rel(state['global'][_B], plain) < 1e-6
 
 
 # ------------------------------------------------------------------------------ config

@@ -1,6 +1,7 @@
 """GLUE harness (UniFLoW §4.2, Table 4): local GLUE files in their official layouts, label ids
 from the task definition, the Dirichlet split into 3 clients, the tiny RoBERTa classifier
-under every compared method (test_acc, a trained head shared and averaged), file errors and
+under every compared method (test_acc; the trained head stays on each client by default, as
+Table 7 counts it, or is shared and averaged with fsplug.model.head: shared), file errors and
 the grid's table."""
 import json
 import math
@@ -150,9 +151,29 @@ def test_classifier_builder_needs_a_glue_task(tmp_path):
 
 
 # --------------------------------------------------------------- federated runs
+def _spy_updates(monkeypatch):
+    """The updates every ServerProcedure.aggregate of the run receives, in order."""
+    from fs_plugins.run.server import ServerProcedure
+    captured = []
+    original = ServerProcedure.aggregate
+
+    def spy(self, round_idx, updates):
+        captured.append(list(updates))
+        return original(self, round_idx, updates)
+    monkeypatch.setattr(ServerProcedure, 'aggregate', spy)
+    return captured
+
+
 @pytest.mark.parametrize('method', METHODS)
-def test_tiny_yaml_runs_and_shares_the_head(tmp_path, method):
-    results, clients = run_embedded_keeping_clients(_tiny(tmp_path, method))
+def test_tiny_yaml_runs_and_keeps_the_head_local(tmp_path, monkeypatch, method):
+    """Default fsplug.model.head local: the head trains on every client but is never uploaded,
+    so the clients' heads differ after training; the server's global state holds none, and
+    each client's evaluation is its own model's, head included."""
+    from fs_plugins.run.client import token_metrics
+    captured = _spy_updates(monkeypatch)
+    cfg = _tiny(tmp_path, method)
+    assert cfg.fsplug.model.head == 'local'
+    results, clients = run_embedded_keeping_clients(cfg)
     evals = [r for r in results.rows if r['kind'] == 'eval']
     assert len(evals) == 2 * 3 and all(0 <= r['test_acc'] <= 1 for r in evals)
     assert all(math.isfinite(r['test_avg_loss']) and 'test_token_acc' not in r for r in evals)
@@ -160,34 +181,115 @@ def test_tiny_yaml_runs_and_shares_the_head(tmp_path, method):
              for cid, proc in clients.items()}
     first = next(iter(clients.values()))
     assert heads[1] and set(heads[1]) <= set(first.trainable_names)
-    assert all(first.method.is_shared(n) for n in heads[1])
-    for cid in (2, 3):     # after the last round every client holds the averaged head
-        assert all(torch.equal(heads[1][n], heads[cid][n]) for n in heads[1])
+    assert not any(first.method.is_shared(n) for n in heads[1])
+    assert len(captured) == 2
+    for updates in captured:
+        for u in updates:
+            assert u.shared and not any(is_task_head(n) for n in u.shared)
+            # what is uploaded is the method's adapter tensors only
+            assert all('lora_' in n or 'vera_lambda' in n for n in u.shared), sorted(u.shared)
+    for cid in (2, 3):     # each client trained its own head
+        assert any(not torch.equal(heads[1][n], heads[cid][n]) for n in heads[1])
+    for cid, proc in clients.items():   # the logged evaluation is the client's model (own head)
+        reported = [r for r in evals if r['client'] == cid][-1]
+        proc.model.eval()
+        again = token_metrics(proc.model, proc.eval_data['test'], proc.collate, 8, 'test')
+        assert again == pytest.approx({k: reported[k] for k in ('test_avg_loss', 'test_acc', 'test_total')})
 
 
-def test_head_trains_and_is_the_weighted_average(tmp_path):
-    from fs_plugins.methods.base import weights_of
-    from fs_plugins.sim import runner as runner_mod
-    captured = []
-    original = runner_mod.ServerProcedure.aggregate
+def test_local_head_persists_across_rounds_and_is_not_in_the_global_state(tmp_path, monkeypatch):
+    """Round 2 starts from the head each client trained in round 1 (receive loads only the
+    global adapters), and the server's state never holds a head."""
+    from fs_plugins.run.server import ServerProcedure
+    states = []
+    original = ServerProcedure.aggregate
 
     def spy(self, round_idx, updates):
-        captured.append((list(updates), original(self, round_idx, updates)))
-        return captured[-1][1]
-    runner_mod.ServerProcedure.aggregate = spy
-    try:
-        _, clients = run_embedded_keeping_clients(_tiny(tmp_path, 'fedsa', 1))
-    finally:
-        runner_mod.ServerProcedure.aggregate = original
-    updates = captured[-1][0]
+        out = original(self, round_idx, updates)
+        states.append(self.state['global'])
+        return out
+    monkeypatch.setattr(ServerProcedure, 'aggregate', spy)
+    captured = _spy_updates(monkeypatch)
+    _, clients = run_embedded_keeping_clients(_tiny(tmp_path, 'fedavg', 2))
+    assert states and all(not any(is_task_head(n) for n in s) for s in states)
+    # the global state is exactly the average of the uploads: LoRA factors only
+    assert set(states[-1]) == set(captured[-1][0].shared)
+    head = [n for n in clients[1].trainable_names if is_task_head(n)]
+    assert head
+
+
+def test_shared_head_is_uploaded_and_is_the_weighted_average(tmp_path, monkeypatch):
+    """fsplug.model.head shared (FedSA: its is_shared asks is_task_head): the head is sent
+    and every client ends with the weighted average of the trained heads."""
+    from fs_plugins.methods.base import weights_of
+    captured = _spy_updates(monkeypatch)
+    _, clients = run_embedded_keeping_clients(_tiny(tmp_path, 'fedsa', 1, 'fsplug.model.head', 'shared'))
+    updates = captured[-1]
     head = [n for n in updates[0].shared if is_task_head(n)]
     assert head and all(n in u.shared for u in updates for n in head)
+    assert not any('lora_B' in n for n in updates[0].shared)              # FedSA: B stays local
     weights = torch.tensor(weights_of(updates)) / sum(weights_of(updates))
-    proc = clients[1]
-    for name in head:
-        expected = sum(w * u.shared[name] for w, u in zip(weights, updates))
-        assert torch.allclose(proc.params[name].detach(), expected, atol=1e-6)
-        assert not torch.equal(updates[0].shared[name], updates[1].shared[name])   # trained
+    for proc in clients.values():
+        assert all(proc.method.is_shared(n) for n in head)
+        for name in head:
+            expected = sum(w * u.shared[name] for w, u in zip(weights, updates))
+            assert torch.allclose(proc.params[name].detach(), expected, atol=1e-6)
+    assert not torch.equal(updates[0].shared[head[0]], updates[1].shared[head[0]])   # trained
+
+
+@pytest.mark.parametrize('method', METHODS)
+def test_shared_head_runs_with_every_method(tmp_path, monkeypatch, method):
+    captured = _spy_updates(monkeypatch)
+    _, clients = run_embedded_keeping_clients(_tiny(tmp_path, method, 1, 'fsplug.model.head', 'shared'))
+    heads = [{n: p for n, p in proc.model.named_parameters() if is_task_head(n)} for proc in clients.values()]
+    assert all(any(is_task_head(n) for n in u.shared) for u in captured[-1])
+    assert all(torch.equal(heads[0][n], other[n]) for other in heads[1:] for n in heads[0])
+
+
+def test_head_option_is_checked_and_only_concerns_classifiers(tmp_path):
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.models.classifier import CLASSIFIER_BUILDERS, head_stays_local
+    assert {'roberta_classifier', 'tiny_roberta_classifier'} <= CLASSIFIER_BUILDERS
+    with pytest.raises(ConfigError, match='fsplug.model.head'):
+        _tiny(tmp_path, 'fedavg', 1, 'fsplug.model.head', 'global')
+    assert head_stays_local('tiny_roberta_classifier', 'local')
+    assert not head_stays_local('tiny_roberta_classifier', 'shared')
+    assert not head_stays_local('tiny_llama', 'local')     # no task head: nothing to keep
+    llm = load_config(os.path.join(REPO, 'yamls', 'fedavg', 'tiny.yaml'))
+    method = get_method_class('fedavg')(llm)
+    assert method.is_shared('base_model.model.score.weight')   # a causal LM: untouched
+
+
+@pytest.mark.parametrize('method,sent', [('fedavg', 786_432), ('fed_a2', 786_432),
+                                         ('ffa', 393_216), ('fedsa', 393_216), ('feddpa', 786_432)])
+def test_roberta_large_counts_are_table_7s(method, sent):
+    """UniFLoW Table 7 (RoBERTa-large, LoRA r = 8 on query/value): trainable 1.83M (FFA 1.44M,
+    FedDPA 2.62M), communicated 0.78M (FFA and FedSA 0.39M): the LoRA factors alone, the head
+    (1,051,650 parameters) trains but stays on the client. Built on the meta device."""
+    from fs_plugins.methods.building import build_model
+    from fs_plugins.methods.registry import get_method_class
+    from fs_plugins.models.builders import architecture_only
+    cfg = load_config(os.path.join(REPO, 'yamls', 'glue', 'rte.yaml'),
+                      ['model.type', 'FacebookAI/roberta-large@fsplug_llm', 'fsplug.method', method])
+    m = get_method_class(method)(cfg)
+    with architecture_only(device='meta'):
+        built = build_model(cfg, m, share_frozen=False)
+    params = dict(built.model.named_parameters())
+    head = sum(params[n].numel() for n in built.trainable_names if is_task_head(n))
+    trainable = sum(params[n].numel() for n in built.trainable_names)
+    uploaded = sum(params[n].numel() for n in built.trainable_names if m.is_shared(n))
+    assert head == 1024 * 1024 + 1024 + 1024 * 2 + 2 == 1_051_650
+    assert uploaded == sent
+    lora = 24 * 2 * 2 * 8 * 1024                                      # 786,432
+    paper_trainable = {'fedavg': 1.83e6, 'fed_a2': 1.83e6, 'fedsa': 1.83e6, 'ffa': 1.44e6,
+                       'feddpa': 2.62e6}[method]
+    assert trainable == head + (2 * lora if method == 'feddpa' else lora // 2 if method == 'ffa' else lora)
+    assert abs(trainable - paper_trainable) < 0.01e6                  # the table's 2 decimals
+    shared = get_method_class(method)(load_config(
+        os.path.join(REPO, 'yamls', 'glue', 'rte.yaml'),
+        ['model.type', 'FacebookAI/roberta-large@fsplug_llm', 'fsplug.method', method,
+         'fsplug.model.head', 'shared']))
+    assert sum(params[n].numel() for n in built.trainable_names if shared.is_shared(n)) == sent + head
 
 
 @pytest.mark.parametrize('opts', [['fsplug.model.lora.use_rslora', 'True'],
@@ -238,3 +340,6 @@ def test_grid_dry_run_and_table(tmp_path):
                            capture_output=True, text=True, check=True).stdout
     # seed 1 pooled: (0.5·10 + 1·20) / 30 = 83.33; seed 2: 100 -> 91.67 ± 11.79
     assert '| LoRA | FedA²-LoRA | 91.67 ± 11.79 (n=2) | 91.67 |' in table
+    curves = subprocess.run([sys.executable, script, 'curves', '--out', str(tmp_path)],
+                            capture_output=True, text=True, check=True).stdout
+    assert '| round | rte/lora/fed_a2 |' in curves and '| 1 | 91.67 (n=2) |' in curves

@@ -201,7 +201,8 @@ def test_fed_a2_method_passes_the_ridge_through(tmp_path):
                'm.other.weight': torch.ones(2)}
     results = {}
     for lam in (0.5, 0.0):
-        method = direct_method(tmp_path / f'lam{lam}', 'fed_a2', fsplug={'fed_a2': {'ridge': lam}})
+        method = direct_method(tmp_path / f'lam{lam}', 'fed_a2',
+                               fsplug={'fed_a2': {'ridge': lam, 'ridge_mode': 'always'}})
         assert method.hparams.ridge == lam
         state = method.aggregate(method.init_server_state(dict(initial)), updates)
         a_key, b_key, A_ref, B_ref = _naive_fed_a2(updates, lam)

@@ -18,7 +18,8 @@ Conventions (all functions):
 Functions: :func:`fed_a2` (FedA²-LoRA analytical aggregation, never forms a d_out × d_in
 matrix; mixed ranks by zero padding with ``pad=True``) and its materialising reference
 :func:`fed_a2_naive`, :func:`fed_a2_vera` / :func:`fed_a2_vera_naive` (the same for VeRA's
-scaling vectors λ_d, λ_b over frozen shared projections), :func:`flexlora` (SVD
+scaling vectors λ_d, λ_b over frozen shared projections), with their one rule for the Tikhonov
+λ (:func:`ridge_lambda`: RIDGE_MODES, :func:`is_singular` at FED_A2_SINGULAR_COND), :func:`flexlora` (SVD
 redistribution for heterogeneous ranks), :func:`hetlora_pad` / :func:`hetlora_truncate`
 (HetLoRA zero-padding aggregation), :func:`lora_delta_norm` (‖B A‖_F without B A),
 :func:`flora_stack` (FLoRA's stacking, B A = Σ p_k s_k B_k A_k at any ranks), and FRLoRA's
@@ -36,16 +37,26 @@ from fs_plugins.aggregation.average import normalise_weights
 __all__ = [
     'fed_a2', 'fed_a2_naive', 'fed_a2_vera', 'fed_a2_vera_naive', 'flexlora', 'hetlora_pad',
     'hetlora_truncate', 'lora_delta_norm', 'flora_stack', 'principal_factors', 'frlora_step',
-    'FED_A2_COND_THRESHOLD', 'FED_A2_RIDGE_EPS', 'FED_A2_FLOAT32_COND',
+    'FED_A2_SINGULAR_COND', 'FED_A2_RIDGE_EPS', 'FED_A2_FLOAT32_COND',
+    'RIDGE_MODES', 'gram_condition', 'is_singular', 'ridge_lambda',
 ]
 
-#: lam=None: A Aᵀ (computed in float64) counts as well conditioned, and λ = 0 is used, when
-#: its condition number λ_max/λ_min is below this. 1e6 leaves ~10 significant digits of the
-#: float64 solve intact, and is far below the ~1e7 relative noise floor of float32 factors,
-#: so a float32-trained A that is "numerically rank deficient" is caught.
-FED_A2_COND_THRESHOLD = 1e6
-#: lam=None fallback ridge: λ = FED_A2_RIDGE_EPS · trace(A Aᵀ) / r (i.e. eps times the mean
-#: eigenvalue of A Aᵀ), which bounds cond(A Aᵀ + λ I) by about r / eps.
+#: When a Tikhonov λ applies (UniFLoW Eq. 13 / Algorithm 1 lines 14-18): 'when_singular' (λ only
+#: when the Gram matrix A Aᵀ is singular, see FED_A2_SINGULAR_COND; the plain least-squares
+#: B = U Aᵀ (A Aᵀ)⁻¹ otherwise) or 'always' (λ every round: Table 12's λ = 0.1 setting).
+RIDGE_MODES = ('when_singular', 'always')
+#: Eq. 13's "(A Aᵀ)⁻¹ does not exist", numerically: the Gram matrix (float64 eigenvalues) counts
+#: as singular when its condition number λ_max/λ_min is at least this (λ_min <= 0: infinite).
+#: One definition for the LoRA solve (fed_a2), VeRA's diagonal Gram matrix (fed_a2_vera) and the
+#: lam=None fallback. Why 1e6: the factors are trained and sent in float32, and a float32 Gram
+#: matrix is singular to working precision (LAPACK's / MATLAB's rcond < ε test) from
+#: cond ≈ 1/ε₃₂ = 8.4e6; 1e6 keeps a ~10x margin below that. Up to it the unregularised solve is
+#: sound: the float64 solve's own error is ≤ cond·ε₆₄ ≈ 1e-10, and the float32 rounding of the
+#: factors (2⁻²⁴ ≈ 6e-8) is amplified at most ~cond-fold, to ≤ 6e-2 relative at the threshold.
+#: `fsplug.fed_a2.singular_cond` overrides it per run.
+FED_A2_SINGULAR_COND = 1e6
+#: lam=None: the scale-relative numerical λ = FED_A2_RIDGE_EPS · mean eigenvalue of the Gram
+#: matrix (trace(A Aᵀ) / r), which bounds cond(A Aᵀ + λ I) by about r / eps.
 FED_A2_RIDGE_EPS = 1e-6
 #: fed_a2 accumulates U Aᵀ in float32 (float32 inputs) when cond(A Aᵀ + λ I) is below this, so
 #: float32 rounding (~1e-7) stays below ~1e-4 relative after the solve; float64 otherwise.
@@ -54,9 +65,58 @@ FED_A2_FLOAT32_COND = 1e3
 
 def _condition(G: torch.Tensor) -> float:
     """λ_max / λ_min of a symmetric float64 matrix (inf when λ_min <= 0)."""
-    eig = torch.linalg.eigvalsh(G)
-    lo, hi = float(eig[0]), float(eig[-1])
+    return gram_condition(torch.linalg.eigvalsh(G))
+
+
+def gram_condition(eigenvalues: torch.Tensor) -> float:
+    """λ_max / λ_min of a Gram matrix given its eigenvalues (for a diagonal one, its
+    entries); inf when λ_min <= 0."""
+    lo, hi = float(eigenvalues.min()), float(eigenvalues.max())
     return hi / lo if lo > 0.0 else math.inf
+
+
+def is_singular(eigenvalues: torch.Tensor, singular_cond: float = FED_A2_SINGULAR_COND) -> bool:
+    """Eq. 13's "(A Aᵀ)⁻¹ does not exist" for a Gram matrix with these eigenvalues: its
+    condition number is at least `singular_cond` (FED_A2_SINGULAR_COND by default)."""
+    return gram_condition(eigenvalues) >= singular_cond
+
+
+def _check_mode(ridge_mode: str, singular_cond: float) -> None:
+    if ridge_mode not in RIDGE_MODES:
+        raise ValueError(f'ridge_mode must be one of {RIDGE_MODES}, got {ridge_mode!r}')
+    if not isinstance(singular_cond, (int, float)) or isinstance(singular_cond, bool) \
+            or not math.isfinite(singular_cond) or singular_cond <= 1:
+        raise ValueError(f'singular_cond must be a finite number > 1, got {singular_cond!r}')
+
+
+def ridge_lambda(eigenvalues: torch.Tensor, lam=None, ridge_mode: str | None = None,
+                 singular_cond: float = FED_A2_SINGULAR_COND) -> float:
+    """The Tikhonov λ that FedA²'s solve uses for a Gram matrix with these eigenvalues (A Aᵀ
+    for LoRA; the diagonal c_i G c_iᵀ for VeRA's λ_b): the one rule of fed_a2, fed_a2_naive,
+    fed_a2_vera and fed_a2_vera_naive.
+
+    * ridge_mode 'when_singular' (Eq. 13, Algorithm 1 lines 14-18): 0 unless the matrix is
+      singular (:func:`is_singular` with `singular_cond`), then λ;
+      'always': λ whatever the conditioning (Table 12's λ = 0.1 reading);
+      None (the functions' default, their behaviour before ridge_mode existed): 'always' for a
+      given lam, 'when_singular' for lam=None. The method fed_a2 always passes its mode.
+    * λ = lam (a float ≥ 0), or for lam=None the scale-relative numerical
+      FED_A2_RIDGE_EPS · mean eigenvalue (1e-6 × trace / r).
+    * All eigenvalues 0 (A = 0) with lam=None: 1.0, which makes B = 0, the minimum-norm
+      minimiser; with lam = 0 the LoRA solve then raises ValueError.
+    """
+    value = None if lam is None else _check_lam(lam)
+    if ridge_mode is None:
+        ridge_mode = 'when_singular' if value is None else 'always'
+    _check_mode(ridge_mode, singular_cond)
+    total = float(eigenvalues.sum())
+    if ridge_mode == 'when_singular' and not is_singular(eigenvalues, singular_cond):
+        return 0.0
+    if value is not None:
+        return value
+    if total <= 0.0:
+        return 1.0
+    return FED_A2_RIDGE_EPS * total / eigenvalues.numel()
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,31 +198,14 @@ def _check_lam(lam) -> float:
     return value
 
 
-def _resolve_lam(G: torch.Tensor, lam) -> float:
-    """The ridge λ used by fed_a2 / fed_a2_naive for the float64 Gram matrix G = A Aᵀ.
-
-    lam given: used as is (validated ≥ 0). lam=None: λ = 0 if cond(G) = λ_max/λ_min <
-    FED_A2_COND_THRESHOLD (eigenvalues by eigvalsh, λ_min <= 0 counts as infinitely ill
-    conditioned), else λ = FED_A2_RIDGE_EPS · trace(G)/r. If G = 0 (A is all zeros), λ = 1,
-    which makes B = 0, the minimum-norm minimiser (B A = 0 for every B).
-    """
-    if lam is not None:
-        return _check_lam(lam)
-    r = G.shape[0]
-    trace = float(torch.diagonal(G).sum())
-    if trace <= 0.0:
-        return 1.0
-    if _condition(G) < FED_A2_COND_THRESHOLD:
-        return 0.0
-    return FED_A2_RIDGE_EPS * trace / r
-
-
 # --------------------------------------------------------------------------------------------
 # FedA²-LoRA
 # --------------------------------------------------------------------------------------------
 
 def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-           lam: float | None = None, pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           lam: float | None = None, pad: bool = False, ridge_mode: str | None = None,
+           singular_cond: float = FED_A2_SINGULAR_COND,
+           info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FedA²-LoRA analytical aggregation, without ever forming a d_out × d_in matrix.
 
     With p = normalise_weights(weights)::
@@ -184,17 +227,24 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
     float32, else in float64: when A Aᵀ is ill conditioned, rounding in U Aᵀ is amplified by up
     to its condition number and float32 rounding (~1e-7) would dominate the solution.
 
-    lam:
-      * a float ≥ 0: used as is, whatever the conditioning of A Aᵀ (UniFLoW Algorithm 1 line
-        17 applies λ every round; the method fed_a2 defaults to the paper's λ = 1, §3 after
-        Eq. 13). lam = 0 (Table 12's "w/o Tik.") with a singular A Aᵀ raises ValueError.
-      * None (default here; Eq. 13's case split): λ = 0 if cond(A Aᵀ) <
-        FED_A2_COND_THRESHOLD (1e6, float64 eigenvalues), otherwise the ridge fallback
-        λ = FED_A2_RIDGE_EPS · trace(A Aᵀ)/r (eps = 1e-6, i.e. 1e-6 × the mean eigenvalue of
-        A Aᵀ). A ridge is used rather than a pseudo-inverse because
-        it is continuous in the data (pinv jumps when a singular value crosses its cut-off),
-        keeps the single symmetric solve above, and is deterministic. If A is exactly zero,
-        B = 0 (the minimum-norm minimiser).
+    λ (:func:`ridge_lambda`, the rule shared with the VeRA path):
+      * ridge_mode 'when_singular' (Eq. 13 and Algorithm 1 lines 14-18): λ = 0, the
+        exact least-squares B = U Aᵀ (A Aᵀ)⁻¹, unless A Aᵀ is singular, i.e. cond(A Aᵀ) ≥
+        singular_cond (FED_A2_SINGULAR_COND = 1e6, float64 eigenvalues; λ_min <= 0 counts as
+        infinite); then the ridge λ below. 'always': the ridge λ whatever the conditioning
+        (Table 12's λ = 0.1 reading; λ = 0 there is its "w/o Tik." row). None (default):
+        'always' for a given lam, 'when_singular' for lam=None (the method fed_a2 defaults to
+        'when_singular' with lam = 1).
+      * the ridge λ: lam (a float ≥ 0; the method fed_a2 passes the paper's λ = 1 by default,
+        §3 after Eq. 13), or for lam=None (default here) the scale-relative numerical
+        λ = FED_A2_RIDGE_EPS · trace(A Aᵀ)/r (1e-6 × the mean eigenvalue of A Aᵀ). A ridge is
+        used rather than a pseudo-inverse because it is continuous in the data (pinv jumps when
+        a singular value crosses its cut-off), keeps the single symmetric solve above, and is
+        deterministic. If A is exactly zero and lam=None, B = 0 (the minimum-norm minimiser);
+        a λ of 0 with an exactly singular A Aᵀ raises ValueError.
+
+    info: a dict, if given, receives 'lam' (the λ used) and 'cond' (cond(A Aᵀ), inf when
+    singular), e.g. for the caller to log how often the singular branch ran.
 
     pad (mixed ranks, UniFLoW appendix E.4 / Table 10 "zero-padding"): with pad=True clients
     may have different ranks r_k; every A_k (r_k, d_in) is zero-padded with rows and every B_k
@@ -213,7 +263,10 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
     A = _average_A(As, p, cdtype)
     A64 = A.to(torch.float64)
     G = A64 @ A64.T                                            # r × r
-    lam_used = _resolve_lam(G, lam)
+    eig = torch.linalg.eigvalsh(G)
+    lam_used = ridge_lambda(eig, lam, ridge_mode, singular_cond)
+    if info is not None:
+        info.update(lam=lam_used, cond=gram_condition(eig))
     if lam_used:
         G = G + lam_used * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
     # U Aᵀ in float32 when the solve cannot amplify float32 rounding much (the common case,
@@ -230,16 +283,19 @@ def fed_a2(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequ
         B = torch.linalg.solve(G, UAt.T).T
     except RuntimeError as err:                                 # exactly singular, lam = 0
         raise ValueError(f'fed_a2: A Aᵀ + {lam_used} I is singular (r={G.shape[0]}); '
-                         f'use lam=None or lam > 0 ({err})') from None
+                         f'use lam > 0 (or lam=None) with ridge_mode \'when_singular\' '
+                         f'({err})') from None
     return A.to(As[0].dtype), B.to(Bs[0].dtype)
 
 
 def fed_a2_naive(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights: Sequence[float],
-                 lam: float | None = None, pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 lam: float | None = None, pad: bool = False, ridge_mode: str | None = None,
+                 singular_cond: float = FED_A2_SINGULAR_COND) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference FedA²: materialises U = Σ_k p_k B_k A_k (d_out × d_in) and solves with lstsq.
 
-    Same problem and the same lam / lam=None rule as :func:`fed_a2` (λ is chosen from the same
-    float64 A Aᵀ, with A = Σ p_k A_k accumulated the same way), but solved independently:
+    Same problem and the same λ rule (:func:`ridge_lambda`: lam, ridge_mode, singular_cond) as
+    :func:`fed_a2` (λ is chosen from the same float64 A Aᵀ, with A = Σ p_k A_k accumulated the
+    same way), but solved independently:
     B minimises ‖B A − U‖²_F + λ ‖B‖²_F, i.e. Bᵀ is the least-squares solution of the stacked
     system
 
@@ -260,7 +316,7 @@ def fed_a2_naive(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights
     U = torch.zeros((Bs[0].shape[0], d_in), dtype=torch.float64, device=A.device)
     for pk, Ak, Bk in zip(p.tolist(), As, Bs):
         U.addmm_(Bk.detach().to(torch.float64), Ak.detach().to(torch.float64), alpha=pk)
-    lam_used = _resolve_lam(A64 @ A64.T, lam)
+    lam_used = ridge_lambda(torch.linalg.eigvalsh(A64 @ A64.T), lam, ridge_mode, singular_cond)
     if lam_used:
         lhs = torch.cat([A64.T, math.sqrt(lam_used) * torch.eye(r, dtype=torch.float64, device=A.device)])
         rhs = torch.cat([U.T, torch.zeros((r, U.shape[0]), dtype=torch.float64, device=A.device)])
@@ -302,24 +358,11 @@ def _average_vectors(vectors: Sequence[torch.Tensor], p: torch.Tensor) -> torch.
     return acc
 
 
-def _resolve_lam_diagonal(den: torch.Tensor, lam) -> float:
-    """:func:`_resolve_lam` for the diagonal Gram matrix diag(den) of the λ_b problem (its
-    eigenvalues are the entries): lam given: used as is; None: 0 when max/min <
-    FED_A2_COND_THRESHOLD, else FED_A2_RIDGE_EPS · mean(den); 1 when den = 0."""
-    if lam is not None:
-        return _check_lam(lam)
-    total = float(den.sum())
-    if total <= 0.0:
-        return 1.0
-    lo, hi = float(den.min()), float(den.max())
-    if lo > 0.0 and hi / lo < FED_A2_COND_THRESHOLD:
-        return 0.0
-    return FED_A2_RIDGE_EPS * total / den.numel()
-
-
 def fed_a2_vera(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tensor],
                 lambda_bs: Sequence[torch.Tensor], weights: Sequence[float],
-                lam: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                lam: float | None = None, ridge_mode: str | None = None,
+                singular_cond: float = FED_A2_SINGULAR_COND,
+                info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FedA² for VeRA: the analytical aggregation of the trained scaling vectors, without
     forming any d_out × d_in matrix.
 
@@ -346,11 +389,13 @@ def fed_a2_vera(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tens
     Σ_k p_k λ_b,k ∘ (H λ_d,k). If every client kept λ_d,k = λ_d, λ_b[i] = (Σ p_k λ_b,k[i]) ·
     den_i/(den_i + λ): FedAvg of λ_b, shrunk by the ridge (exact FedAvg for λ = 0).
 
-    lam: the problem's Gram matrix is diag(c_i G c_iᵀ) (d_out × d_out), so the rule of
-    :func:`fed_a2` applies to its diagonal: a float ≥ 0 is used as is; None gives λ = 0 when
-    max_i/min_i of c_i G c_iᵀ < FED_A2_COND_THRESHOLD, else λ = FED_A2_RIDGE_EPS · their mean.
-    A row with c_i G c_iᵀ + λ = 0 (c_i A = 0: any x_i fits equally) gets λ_b[i] = 0, the
-    minimum-norm minimiser. Note λ penalises ‖λ_b‖² here, a different scale from LoRA's ‖B‖²_F.
+    λ: the problem's Gram matrix is diag(c_i G c_iᵀ) (d_out × d_out), so the rule of
+    :func:`fed_a2` (:func:`ridge_lambda`) applies to its diagonal, whose condition number is
+    max_i/min_i of c_i G c_iᵀ: with ridge_mode 'when_singular' λ = 0 unless that is ≥
+    singular_cond, 'always' applies λ every round; λ = lam, or for lam=None
+    FED_A2_RIDGE_EPS · the mean of c_i G c_iᵀ. `info` as in fed_a2. A row with
+    c_i G c_iᵀ + λ = 0 (c_i A = 0: any x_i fits equally) gets λ_b[i] = 0, the minimum-norm
+    minimiser. Note λ penalises ‖λ_b‖² here, a different scale from LoRA's ‖B‖²_F.
 
     Cost O(r² d_in + r² d_out + K r d_out), memory O(r (d_in + d_out)); G, H and the solve in
     float64. λ_d is averaged like weighted_average (float32 for float32 inputs), so it equals
@@ -367,7 +412,10 @@ def fed_a2_vera(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tens
     D = torch.stack([d.detach().to(B64.device, torch.float64) for d in lambda_ds], dim=1)
     Lb = torch.stack([b.detach().to(B64.device, torch.float64) for b in lambda_bs], dim=1)
     num = ((H @ D) * Lb) @ p.to(B64.device)                         # Σ_k p_k λ_b,k[i] c_i G c_{k,i}ᵀ
-    den = den + _resolve_lam_diagonal(den, lam)
+    lam_used = ridge_lambda(den, lam, ridge_mode, singular_cond)
+    if info is not None:
+        info.update(lam=lam_used, cond=gram_condition(den))
+    den = den + lam_used
     safe = torch.where(den > 0, den, torch.ones_like(den))
     lambda_b = torch.where(den > 0, num / safe, torch.zeros_like(num))
     return lambda_d.to(lambda_ds[0].dtype), lambda_b.to(lambda_bs[0].dtype)
@@ -375,7 +423,8 @@ def fed_a2_vera(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tens
 
 def fed_a2_vera_naive(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torch.Tensor],
                       lambda_bs: Sequence[torch.Tensor], weights: Sequence[float],
-                      lam: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      lam: float | None = None, ridge_mode: str | None = None,
+                      singular_cond: float = FED_A2_SINGULAR_COND) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`fed_a2_vera`: materialises U = Σ_k p_k diag(λ_b,k) B diag(λ_d,k) A
     and M = B diag(λ_d) A (d_out × d_in, float64) and solves, for every row i, the
     least-squares problem [M[i, :]ᵀ; √λ] x_i = [U[i, :]ᵀ; 0] with torch.linalg.lstsq
@@ -391,7 +440,7 @@ def fed_a2_vera_naive(A: torch.Tensor, B: torch.Tensor, lambda_ds: Sequence[torc
 
     U = sum(float(pk) * update(d, b) for pk, d, b in zip(p, lambda_ds, lambda_bs))
     M = B64 @ (lambda_d.to(torch.float64)[:, None] * A64)
-    lam_used = _resolve_lam_diagonal((M * M).sum(dim=1), lam)
+    lam_used = ridge_lambda((M * M).sum(dim=1), lam, ridge_mode, singular_cond)
     lhs, rhs = M.unsqueeze(2), U.unsqueeze(2)                       # d_out × d_in × 1
     if lam_used:
         lhs = torch.cat([lhs, torch.full((M.shape[0], 1, 1), math.sqrt(lam_used),

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from fs_plugins.aggregation import weighted_average
+from fs_plugins.models.classifier import head_stays_local, is_task_head
 from fs_plugins.schema.options import build, to_plain
 
 
@@ -149,6 +150,9 @@ class Method:
         # server side: {client id: that client's config} where the runner knows them (for
         # methods that build a client's model on the server, e.g. PerAda's distillation)
         self.client_configs: dict = {}
+        if keeps_head_local(cfg):   # a classifier's head trains but never leaves the client
+            method_is_shared = self.is_shared
+            self.is_shared = lambda name: not is_task_head(name) and method_is_shared(name)
 
     @classmethod
     def options(cls, cfg):
@@ -271,6 +275,17 @@ class Method:
         """Named groups of clients whose mean the summary reports beside the overall one
         (e.g. FLAME's budget levels β1..βn); {} for none."""
         return {}
+
+
+def keeps_head_local(cfg) -> bool:
+    """fsplug.model.head 'local' on a classifier builder (models.classifier.head_stays_local):
+    then every method's `is_shared` leaves the task head out, whatever the method shares."""
+    try:
+        model = cfg['fsplug']['model']
+        builder, head = model['builder'], model.get('head', 'local')
+    except (KeyError, TypeError):
+        return False
+    return head_stays_local(builder, head)
 
 
 def differing_client_keys(run_cfg: dict, client_cfg: dict, paths, why: str) -> list[str]:

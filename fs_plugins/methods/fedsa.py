@@ -2,7 +2,8 @@
 each client (client-local state that persists across rounds). Rule for any adapter: the
 input-side factor is shared, the output-side one stays local; with VeRA (FedSA-VeRA of
 UniFLoW Table 4) λ_d (r per layer) is averaged and λ_b (d_out) stays on the client. A
-classifier's head (GLUE) is averaged too, as with every other method."""
+classifier's head (GLUE) stays on the client by default (fsplug.model.head: local); with
+head: shared it is averaged with A."""
 from fs_plugins.aggregation.pairs import is_input_factor
 from fs_plugins.methods.base import Method
 from fs_plugins.methods.registry import register_method

@@ -7,7 +7,8 @@ B A = Σ_k p_k s_k B_k A_k is exact (no cross terms) at any mix of ranks r_k, an
 the base weight; every client then starts the next round from a fresh LoRA (A Kaiming-uniform,
 B = 0, as peft initialises it). p_k: the round's sample shares (fsplug.aggregation.weights);
 s_k = α_k / r_k: each client's own LoRA scaling, sent with its update (the paper's code relies
-on α_k = 2 r_k instead). Non-LoRA trained tensors (e.g. a classifier head) are averaged.
+on α_k = 2 r_k instead). Non-LoRA trained tensors (e.g. a classifier head with
+fsplug.model.head: shared) are averaged.
 
 Choices where the paper leaves room:
 - the fresh A of a round is the same on every client (as if the server created the round's

@@ -10,7 +10,7 @@ ICLR 2025; code github.com/IAMJackYan/FRLoRA).
   server averages them and adds s·(B̄ Ā − B0 A0) to the global weight (the residual low-rank
   product; `frlora_step`), which all clients receive; their LoRA is reset to (A0, B0). The
   model after round t is W0 + Σ_τ ΔW_τ (Eq. 13): its update's rank may reach r·t (Eq. 14).
-  Other trained tensors (a classifier head) are averaged and kept, not reset.
+  Other trained tensors (a classifier head with fsplug.model.head: shared) are averaged and kept, not reset.
 
 Options where the paper and its code differ: `exact_product` (Σ p_k B_k A_k instead of B̄ Ā;
 they coincide when A is frozen), `freeze_a` (the released trainer trains only B). The code

@@ -10,12 +10,21 @@ for RoBERTa). The classification head (`classifier`, freshly initialised from th
 is an ordinary trained module, like a vision-language projector, not peft's `modules_to_save`
 (which `TaskType.SEQ_CLS` would force on it: one copy of the head per peft adapter, only one
 active at a time, so FedDPA's two active adapters would fail and its 'local' adapter would get
-a private head). So with every method the head trains and is sent and averaged with the
-shared tensors: FedAvg, FFA (A frozen, head trained), FedA² (averaged beside the A/B pairs),
-FedDPA (trained in the global phase, with the global adapter), FedSA (A and the head; its
-`is_shared` asks `is_task_head`). The peft model is peft's generic `PeftModel`
-(`LoadedBase.peft_task_type` None), whose forward is the classifier's own (loss from `labels`).
-On a half-precision base the head stays float32, like the adapters (its input is cast up).
+a private head). The peft model is peft's generic `PeftModel` (`LoadedBase.peft_task_type`
+None), whose forward is the classifier's own (loss from `labels`). On a half-precision base the
+head stays float32, like the adapters (its input is cast up).
+
+Where the head goes (`fsplug.model.head`, `head_stays_local`): with every method the head
+trains on each client. 'local' (default) keeps it there: never uploaded, never averaged, and
+each client evaluates with its own head over the global adapters. That is UniFLoW's count
+(Table 7, RoBERTa-large, LoRA r = 8 on query/value): per-round communicated 0.78M = the LoRA
+factors alone (24 layers × 2 modules × 2 × 8 × 1024 = 786,432), trainable 1.83M = those +
+the head (dense 1024×1024 + 1024, out_proj 1024×2 + 2: 1,051,650); FFA 1.44M / 0.39M and
+FedSA 1.83M / 0.39M likewise leave the head out of the upload. 'shared' uploads the head with
+the shared tensors and the method aggregates it (FedAvg, FFA, FedA² beside its A/B pairs,
+FedDPA with the global adapter, FedSA with A: its `is_shared` asks `is_task_head`). The
+server's global state then holds no trained head (its saved `global/` model is not complete:
+`covers_trainable` false), which is why evaluation is on the clients.
 """
 from __future__ import annotations
 
@@ -31,11 +40,14 @@ from fs_plugins.models.builders import LoadedBase, from_pretrained, register_bui
 from fs_plugins.models.codecs import Codec, pad_examples
 from fs_plugins.models.precision import DTYPES
 from fs_plugins.models.tiny import train_byte_bpe
+from fs_plugins.schema.plugin import HEAD_MODES
 from fs_plugins.schema.specs import ModelSpec
 
 # module names of a sequence classifier's head (transformers: `classifier`, or `score` for
-# decoder models); their parameters are the task head every method shares
+# decoder models); their parameters are the task head (fsplug.model.head: local or shared)
 HEAD_MODULES = ('classifier', 'score')
+# the builders whose models carry such a head (filled by `register_classifier_builder`)
+CLASSIFIER_BUILDERS: set[str] = set()
 # record fields holding the text, first match wins: GLUE's pair names, Hugging Face's, one sentence
 TEXT_FIELDS = (('sentence1', 'sentence2'), ('premise', 'hypothesis'), ('question1', 'question2'),
                ('sentence',))
@@ -51,6 +63,20 @@ SPECIAL_TOKENS = {'bos_token': '<s>', 'pad_token': '<pad>', 'eos_token': '</s>',
 def is_task_head(name: str) -> bool:
     """Whether parameter `name` belongs to a classifier's head (HEAD_MODULES)."""
     return any(f'.{module}.' in f'.{name}' for module in HEAD_MODULES)
+
+
+def head_stays_local(builder: str, head: str) -> bool:
+    """Whether a model of builder `builder` keeps its task head on the client
+    (fsplug.model.builder, fsplug.model.head): a classifier builder with head 'local'."""
+    if head not in HEAD_MODES:
+        raise ValueError(f'fsplug.model.head = {head!r}: expected one of {HEAD_MODES}')
+    return head == 'local' and builder in CLASSIFIER_BUILDERS
+
+
+def register_classifier_builder(name: str):
+    """register_builder for a builder whose model has a task head (HEAD_MODULES)."""
+    CLASSIFIER_BUILDERS.add(name)
+    return register_builder(name)
 
 
 def record_texts(record: dict) -> list[str]:
@@ -125,7 +151,7 @@ def keep_head_float32(model: torch.nn.Module) -> None:
                 lambda module, args: tuple(a.float() if torch.is_tensor(a) else a for a in args))
 
 
-@register_builder('roberta_classifier')
+@register_classifier_builder('roberta_classifier')
 def load_roberta_classifier(spec: ModelSpec, path: str) -> LoadedBase:
     """AutoModelForSequenceClassification + AutoTokenizer (a local folder or a hub id, e.g.
     roberta-large) with one output per class of the run's task; the new head is initialised
@@ -146,7 +172,7 @@ def load_roberta_classifier(spec: ModelSpec, path: str) -> LoadedBase:
     return LoadedBase(model, codec, peft_task_type=None, trained_modules=heads)
 
 
-@register_builder('tiny_roberta_classifier')
+@register_classifier_builder('tiny_roberta_classifier')
 def load_tiny_roberta_classifier(spec: ModelSpec, path: str) -> LoadedBase:
     """A tiny random RoBERTa encoder built locally; `path` '' or 'tiny-roberta' uses the cache."""
     return load_roberta_classifier(spec, ensure_tiny_roberta(None if path in ('', 'tiny-roberta')

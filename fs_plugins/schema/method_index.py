@@ -17,7 +17,9 @@ METHODS = {
         'granularity': ('str', 'tensor', {'choices': ['tensor', 'module']}),
     },
     'fed_a2': {
+        'ridge_mode': ('str', 'when_singular', {'choices': ['when_singular', 'always']}),
         'ridge': ('Optional[float]', 1.0, {'ge': 0}),
+        'singular_cond': ('float', 1000000.0, {'gt': 1}),
         'vera_ridge': ('Optional[float]', None, {'ge': 0}),
         'fedavg_rounds': ('int', 0, {'ge': 0}),
     },
@@ -153,8 +155,9 @@ METHODS = {
         'warmup_rounds': ('int', 1, {'ge': 1}),
         'importance': ('str', 'taylor', {'choices': ['taylor', 'output_norm']}),
         'gate_scale': ('str', 'quota', {'choices': ['quota', 'one']}),
-        'router_input': ('str', 'hidden', {'choices': ['hidden', 'experts']}),
+        'router_input': ('str', 'experts', {'choices': ['experts', 'hidden']}),
         'router_init_std': ('float', 0.02, {'ge': 0}),
+        'expert_granularity': ('str', 'rank', {'choices': ['rank', 'module']}),
     },
     'standalone': {},
     'uniflow': {
