@@ -52,6 +52,11 @@ def architecture_only(device: str = 'meta', layers: dict[str, int] | None = None
         _ARCHITECTURE_ONLY.reset(token)
 
 
+def sizing_architecture_only() -> bool:
+    """Whether this runs inside `architecture_only` (shapes only, no weight read)."""
+    return _ARCHITECTURE_ONLY.get() is not None
+
+
 # ---------------------------------------------------------------- shipped architectures
 # config.json of the papers' models (no weights, no tokenizer), one file per hub id with '/'
 # written '--'; each carries a `_source` note, which transformers keeps as an attribute

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.models.builders import sizing_architecture_only
 from fs_plugins.tuners.library.builtin import BUILTIN_ADAPTERS
 
 CONFIG_FILE = 'adapter_config.json'
@@ -98,14 +99,13 @@ def shape_adapter(spec: str, model: torch.nn.Module) -> LibraryAdapter:
     """A `shape:r<rank>:<modules>` entry: zero factors of that rank on every linear layer of
     `model` whose name ends in one of the modules (on the layer's device: 'meta' when sized);
     only inside `architecture_only` (fs-plugins estimate), where no weight is read."""
-    from fs_plugins.models.builders import _ARCHITECTURE_ONLY
     parts = spec[len(SHAPE_PREFIX):].split(':')
     usage = (f"fsplug.model.library.adapters: '{spec}' is not of the form "
              f"'shape:r<rank>:<module>,<module>' (e.g. 'shape:r32:q_proj,v_proj')")
     if len(parts) != 2 or not parts[0].startswith('r') or not parts[0][1:].isdigit() \
             or int(parts[0][1:]) < 1 or not parts[1].strip():
         raise ConfigError(usage)
-    if _ARCHITECTURE_ONLY.get() is None:
+    if not sizing_architecture_only():
         raise ConfigError(f"fsplug.model.library.adapters: '{spec}' gives an adapter's shapes only "
                           f"(zero factors), for `fs-plugins estimate`; to train or evaluate, list "
                           f"peft LoRA adapter folders")
