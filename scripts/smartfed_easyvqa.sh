@@ -4,10 +4,12 @@
 # summary.md exists) is skipped.
 #   SEEDS="1 2" bash scripts/smartfed_easyvqa.sh   # results: $OUT/seed<k>/<run> (exp/smartfed_easyvqa)
 #   EXTRA="federate.total_round_num 4" bash scripts/smartfed_easyvqa.sh
+#   ONLY="fedit smartfed" bash scripts/smartfed_easyvqa.sh   # only these runs (names below)
 set -euo pipefail
 OUT=${OUT:-exp/smartfed_easyvqa}
 SEEDS=${SEEDS:-1}
 EXTRA=${EXTRA:-}
+ONLY=${ONLY:-}
 LIB=$OUT/library
 if [ ! -f "$LIB/summary.md" ]; then
   python -m fs_plugins.commands.cli run --cfg yamls/smartfed/easyvqa_library.yaml \
@@ -30,6 +32,7 @@ RUNS=(
 for seed in $SEEDS; do
   for entry in "${RUNS[@]}"; do
     IFS='|' read -r name yaml overrides <<< "$entry"
+    [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && continue
     dir=$OUT/seed$seed/$name
     [ -f "$dir/summary.md" ] && continue
     mkdir -p "$(dirname "$dir")"

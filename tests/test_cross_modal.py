@@ -99,3 +99,4 @@ def test_a_text_model_has_no_modality_columns(tmp_path):
     results = run_embedded(cfg)
     assert 'By test modality' not in results.summary_markdown()
     assert not [k for r in results.rows for k in r if k.startswith('test_text_')]
+

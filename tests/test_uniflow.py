@@ -11,7 +11,7 @@ from fs_plugins.aggregation.pairs import lora_pairs
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.methods.uniflow import AGGREGATIONS
+from fs_plugins.methods.uniflow import AGGREGATIONS, encoder_steps
 from fs_plugins.models.encoder_llm import modalities
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import load_config
@@ -108,6 +108,14 @@ def test_stage_switch_decides_which_parameters_get_gradients(tmp_path, schedule,
     proc = one_client(tmp_path, BOTH_CLIENT, 'fsplug.uniflow.schedule', schedule)
     proc.round_idx = round_idx
     assert trained_parts_per_step(proc) == expected
+
+
+@pytest.mark.parametrize('tau, steps, expected', [(0.25, 8, 2), (0.25, 10, 3), (0.25, 6, 2),
+                                                  (0.3, 10, 3), (0.0, 5, 0), (1.0, 5, 5),
+                                                  (0.25, 1, 1)])
+def test_two_stage_encoder_steps_are_those_with_step_below_tau(tau, steps, expected):
+    """UniFLoW Eq. 7: local step s (of S) trains the encoder side while s/S < τ."""
+    assert encoder_steps(tau, steps) == expected == sum(s / steps < tau for s in range(steps))
 
 
 def test_projector_can_train_with_the_llm(tmp_path):

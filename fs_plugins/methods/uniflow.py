@@ -25,6 +25,7 @@ expected shapes, saved models). The server runs the chosen aggregation once per 
 that sent the same tensors (`upload_groups`): each modality's modules over its holders only,
 weights renormalised over them, the LLM LoRA over everyone; a module nobody sent keeps its value.
 """
+import math
 from dataclasses import dataclass, replace
 
 from fs_plugins.aggregation import weighted_average
@@ -47,6 +48,13 @@ DELEGATED_HOOKS = ('after_build', 'init_client_state', 'learning_rates',
                    'client_extra', 'extra_payload_shapes', 'client_metrics', 'receive', 'artifact_extra',
                    'restore_artifact', 'init_server_state', 'content_for',
                    'client_groups')
+
+
+def encoder_steps(tau: float, num_steps: int) -> int:
+    """How many of a round's S local steps train the encoder side: Eq. 7's "step < τ" with
+    the step counted as a fraction of the round, s/S < τ for s = 0..S-1, i.e. ⌈τ·S⌉ (τ·S
+    rounded to 9 decimals first, so 0.3 · 10 gives 3, not 4)."""
+    return min(num_steps, math.ceil(round(tau * num_steps, 9)))
 
 
 def upload_groups(updates) -> list[tuple[frozenset, list[str]]]:
@@ -96,7 +104,8 @@ class UniFLoWConfig:
                                         "t < switch_round·R, the LLM after (Table 15); "
                                         "'simultaneous': both every step", choices=SCHEDULES)
     tau: float = option(0.25, "τ: fraction of a round's local steps on the encoder side "
-                              '(two_stage, reverse; Fig. 3b peaks at 0.25)', ge=0, le=1)
+                              '(two_stage, reverse; Fig. 3b peaks at 0.25): steps s with '
+                              's/S < τ, ⌈τ·S⌉ of the S (Eq. 7)', ge=0, le=1)
     switch_round: float = option(0.5, "schedule 'round': fraction of the rounds on the encoder "
                                       'side (T = 0.5·CR)', ge=0, le=1)
     projector_stage: str = option('encoder', 'which side trains the projections P_m (Eq. 3)',
@@ -259,6 +268,6 @@ class UniFLoW(Method):
             first = encoder if self.round_idx < switch else llm
             first.steps = num_steps
             return [first]
-        encoder.steps = int(round(self.hparams.tau * num_steps))
+        encoder.steps = encoder_steps(self.hparams.tau, num_steps)
         llm.steps = num_steps - encoder.steps
         return [encoder, llm] if schedule == 'two_stage' else [llm, encoder]
