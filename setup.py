@@ -55,12 +55,21 @@ setup(
     # `fs-plugins estimate` sizes offline
     package_data={'fs_plugins.metrics': ['templates/*.txt'],
                   'fs_plugins.models': ['architectures/*.json']},
+    # floors: the oldest releases the code runs on; scripts/check_min_versions.sh installs them
+    # (torch aside) and runs `pytest -m quick`. transformers 5.0: OLMoE's fused experts
+    # (mlp.experts.gate_up_proj, 3-D) and top-k router that FLAME adapts, from_pretrained(dtype=);
+    # peft 0.18: LoraConfig(target_parameters=) appeared in 0.17, but 0.17.x imports
+    # transformers.HybridCache, which transformers 5 removed; accelerate 1.2: transformers 5.0
+    # imports accelerate.utils.modeling.get_module_size_with_ties (absent from 1.1.x, although
+    # transformers declares >=1.1); datasets 2.16: the first that imports with huggingface_hub 1.x
+    # (transformers 5 needs it; 2.15 imports the removed HfFolder); torch 2.3:
+    # torch.amp.GradScaler(device) (models/precision.py), not installable in that check
     install_requires=[
-        'torch>=2.1',
-        'transformers>=4.45',
-        'peft>=0.13',
-        'accelerate',
-        'datasets',
+        'torch>=2.3',
+        'transformers>=5.0',
+        'peft>=0.18',
+        'accelerate>=1.2',
+        'datasets>=2.16',
         'tokenizers',
         'safetensors',
         'pyyaml',

@@ -1,8 +1,11 @@
 """Fed-MoLE (hybrid mixture of LoRA experts with alternating disentanglement-alignment).
 
-Model: on `fedmole.target_modules` (default up_proj; each must be a LoRA target) peft's LoRA
-adapter is the shared expert and N routed LoRA experts + a top-K router are added
-(`fs_plugins.tuners.mole`); every other LoRA target stays plain LoRA.
+Model: on `fedmole.target_modules` (default up_proj) peft's LoRA adapter is the shared expert
+and N routed LoRA experts + a top-K router are added (`fs_plugins.tuners.mole`); every other
+LoRA target stays plain LoRA. Left at its default, `fedmole.target_modules` joins
+`fsplug.model.lora.target_modules` where missing (`resolve_config`, logged at INFO), so
+`fsplug.method: fedmole` composes with any LoRA targets; set to other modules, each must
+already be a LoRA target (a ConfigError names both keys).
 Local round (ADA, Algorithm 1): phase 'routed' trains routed experts + routers (shared expert
 and plain LoRA frozen), then phase 'shared' trains the shared experts + plain LoRA (routed +
 routers frozen); each phase is a full local pass by default (`phase_steps: each`). Upload: the
@@ -14,13 +17,16 @@ Ablations (paper Tables 3-4): `alternating: false` is V1 (one phase, everything 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, fields
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import Contract, Method, PaperClaim, Phase
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 from fs_plugins.tuners.mole import MoleConfig, inject_mole, is_routed_expert, is_router
+
+logger = logging.getLogger(__name__)
 
 SHARED, ROUTED, ROUTER = 'shared', 'routed', 'router'
 # what leaves the client under each `aggregate` setting ('shared' = shared experts and
@@ -43,8 +49,10 @@ def parameter_kind(name: str) -> str:
 class FedMoLEConfig:
     target_modules: list[str] = option(
         ['up_proj'], 'LoRA targets that get N routed experts + a router (their LoRA adapter is the '
-                     'shared expert); each must be in fsplug.model.lora.target_modules (§4.1: '
-                     '"Fed-MoLE is applied only to the up_proj layer")', min_items=1)
+                     'shared expert); left at its default, it joins '
+                     'fsplug.model.lora.target_modules where missing; any other value must be '
+                     'among them (§4.1: "Fed-MoLE is applied only to the up_proj layer")',
+        min_items=1)
     num_experts: int = option(8, 'routed LoRA experts N per MoLE layer (§4.1: N = 8 by default)',
                               ge=1)
     top_k: int = option(2, 'experts K each token is routed to, top-K router with softmax over the '
@@ -67,6 +75,34 @@ class FedMoLEConfig:
 
 def _last_name(module: str) -> str:
     return module.rsplit('.', 1)[-1]
+
+
+def _missing_lora_targets(mole_targets, lora_targets) -> list[str]:
+    """The MoLE targets that no LoRA target matches (by last name, as peft matches)."""
+    names = {_last_name(t) for t in lora_targets}
+    return [t for t in mole_targets if _last_name(t) not in names]
+
+
+def default_targets() -> list[str]:
+    """fsplug.fedmole.target_modules' default (the paper's up_proj)."""
+    return next(f.default_factory() for f in fields(FedMoLEConfig) if f.name == 'target_modules')
+
+
+def add_default_targets(cfg, hparams, where: str = '') -> None:
+    """Method default -> LoRA targets: when fsplug.fedmole.target_modules is at its default,
+    its modules missing from fsplug.model.lora.target_modules are appended there (logged at
+    INFO naming both keys). Targets set to other values are left to `config_problems`."""
+    if list(hparams.target_modules) != default_targets():
+        return
+    lora = cfg.fsplug.model.lora
+    missing = _missing_lora_targets(hparams.target_modules, lora.target_modules)
+    if not missing:
+        return
+    before = list(lora.target_modules)
+    lora.target_modules = before + missing
+    logger.info(f"fsplug.method = 'fedmole'{where}: fsplug.fedmole.target_modules (default "
+                f"{list(hparams.target_modules)}) added {missing} to "
+                f"fsplug.model.lora.target_modules: {before} -> {before + missing}")
 
 
 @register_method
@@ -100,13 +136,24 @@ class FedMoLE(Method):
         if model['adapter'] != 'lora':
             problems.append(f"fsplug.model.adapter = {model['adapter']!r}: fedmole needs 'lora' "
                             f"(its LoRA adapter is the shared expert)")
-        lora_targets = {_last_name(t) for t in model['lora']['target_modules']}
-        missing = [t for t in hparams.target_modules if _last_name(t) not in lora_targets]
-        if missing:
+        missing = _missing_lora_targets(hparams.target_modules, model['lora']['target_modules'])
+        # at its default the targets join the LoRA targets when the config is resolved
+        if missing and list(hparams.target_modules) != default_targets():
             problems.append(f"fsplug.fedmole.target_modules = {hparams.target_modules}: {missing} "
                             f"not among fsplug.model.lora.target_modules = "
-                            f"{model['lora']['target_modules']}")
+                            f"{model['lora']['target_modules']} (add them there, or leave "
+                            f"fsplug.fedmole.target_modules at its default {default_targets()}, "
+                            f"which joins the LoRA targets by itself)")
         return problems
+
+    @classmethod
+    def resolve_config(cls, cfg) -> None:
+        add_default_targets(cfg, cls.options(cfg))
+
+    @classmethod
+    def resolve_client_config(cls, cfg, records: dict) -> None:
+        # a --client_cfg entry may set its own LoRA targets: the same rule on the client's config
+        add_default_targets(cfg, cls.options(cfg), ' (a client config)')
 
     def mole_config(self, cfg) -> MoleConfig:
         lora, hp = cfg.fsplug.model.lora, self.hparams

@@ -23,6 +23,7 @@ from fs_plugins.aggregation.activation import activation_aware_average, activati
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.base import Contract, Method, load_tensors, weights_of
 from fs_plugins.methods.registry import register_method
+from fs_plugins.models.olmoe import EXPERT_LORA_PARAMETERS
 from fs_plugins.schema import option
 from fs_plugins.tuners.flame import (
     ACTIVATION_READINGS,
@@ -36,12 +37,26 @@ from fs_plugins.tuners.flame import (
 
 logger = logging.getLogger(__name__)
 
+# the MoE models to name when a dense one is configured (builders 'olmoe' / 'tiny_olmoe')
+OLMOE_MODEL_TYPE = 'allenai/OLMoE-1B-7B-0924@fsplug_llm'
+TINY_OLMOE_MODEL_TYPE = 'tiny-olmoe@fsplug_llm'
 COUNTS_PREFIX = 'flame.counts.'       # + MoE block name: (E,) activation counts a_i^j (float64)
 TOTALS_PREFIX = 'flame.total.'        # + MoE block name: () their total S_i (float64)
 STEPS_KEY = 'flame.steps'             # local steps of the round
 DEFAULT_TOP_K_KEY = 'flame.top_k'     # server -> client: the budget level assigned by id
 ARTIFACT_TOP_K = 'flame/top_k'      # the client's top-k in its saved model (fs_plugins.run.artifacts)
 METRICS_KEY = 'flame_metrics'         # client state: this round's a/S summary (client_metrics)
+
+
+def dense_model_message(method: str, cfg) -> str:
+    """Why a dense model cannot run an expert-routing method, and which MoE model to use."""
+    return (f"fsplug.method = '{method}' needs a sparse mixture-of-experts model: model.type = "
+            f"'{cfg.model.type}' (fsplug.model.builder: {cfg.fsplug.model.builder}) has no MoE "
+            f"block. Use OLMoE: model.type: {OLMOE_MODEL_TYPE} with fsplug.model.builder: olmoe "
+            f"(yamls/flame/dolly_flame.yaml), or the tiny random one for tests: model.type: "
+            f"{TINY_OLMOE_MODEL_TYPE} with fsplug.model.builder: tiny_olmoe (yamls/flame/tiny.yaml); "
+            f"LoRA reaches the experts through fsplug.model.lora.target_parameters, e.g. "
+            f"{EXPERT_LORA_PARAMETERS}")
 
 
 class ExpertRoutingMethod(Method):
@@ -56,9 +71,7 @@ class ExpertRoutingMethod(Method):
     def adapt_model(self, model, cfg):
         blocks = moe_blocks(model)
         if not blocks:
-            raise ConfigError(f"fsplug.method = '{self.name}' needs a sparse MoE model (e.g. "
-                              f"fsplug.model.builder: tiny_olmoe or olmoe); model.type = "
-                              f"'{cfg.model.type}' has no MoE block")
+            raise ConfigError(dense_model_message(self.name, cfg))
         model.flame_routing = RoutingTracker(blocks)
         return model
 
