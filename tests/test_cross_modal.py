@@ -87,6 +87,8 @@ def test_image_only_clients_are_scored_per_test_modality(tmp_path):
     for label in labels:
         assert f'{label} token_acc' in header and f'{label} vqa_exact' in header
     assert 'total' not in header
+    assert header.index('| image token_acc') < header.index('| audio token_acc') < \
+        header.index('| image+audio token_acc')   # single modalities first, encoders' order
     assert header.index('image token_acc') < header.index('image vqa_exact') < \
         header.index('image avg_loss')   # the paper's order: Acc, generation metrics, loss
 

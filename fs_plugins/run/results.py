@@ -200,15 +200,16 @@ def run_label(run_info: dict) -> str:
 
 def modality_labels(columns) -> list[str]:
     """The test-modality labels ('image', 'audio', 'image+audio', 'text') that have
-    test_<label>_total columns, in the order they appear."""
-    known = set(modalities()) | {'text'}
+    test_<label>_total columns: single modalities first, in the encoders' order."""
+    order = ['text', *modalities()]
     labels = []
     for column in columns:
         if column.startswith('test_') and column.endswith('_total'):
             label = column[len('test_'):-len('_total')]
-            if label and set(label.split('+')) <= known:
+            if label and set(label.split('+')) <= set(order):
                 labels.append(label)
-    return labels
+    return sorted(labels, key=lambda label: (label.count('+'),
+                                             [order.index(m) for m in label.split('+')]))
 
 
 def _paper_order(metric: str) -> int:
