@@ -7,6 +7,11 @@ config are wrapped: the raw layer is merged into a plain copy and validated with
 `fs_plugins.schema.validate` (unknown keys checked against FS's own key tree), and every
 problem is raised at once as a ConfigError before FS merges. FS-only constants live here.
 
+Native FS runs (no `fsplug.method`) are left as FS makes them: the node is built from the
+generated method index (importing no method, hence no torch, transformers or peft), and it is
+removed when FS readies the config for the run, so that the saved config.yaml loads in FS
+without the plugin (`drop_unused_node`).
+
 FS's config module is imported only inside the functions that use it: importing it runs the
 autoload hook's `register_all`, which imports this module.
 """
@@ -22,7 +27,8 @@ from fs_plugins.methods.registry import get_method_class
 from fs_plugins.metrics import REPORTED_METRICS
 from fs_plugins.run.config import import_extra_modules, merge, parse_opts
 from fs_plugins.schema.options import to_plain
-from fs_plugins.schema.validate import OPEN_NODE, fsplug_defaults, validate
+from fs_plugins.schema.precheck import index_methods
+from fs_plugins.schema.validate import OPEN_NODE, KnownMethods, fsplug_defaults, validate
 
 # FS features that act on FS's default message contents, which the fsplug workers replace
 UNSUPPORTED_FS_FEATURES = (('federate.use_ss', lambda c: c.federate.use_ss),
@@ -64,8 +70,10 @@ def fill_missing(node, defaults: dict) -> None:
 
 
 def extend_cfg(cfg) -> None:
+    """The `fsplug` node, from the generated method index (the same defaults as the registry's,
+    tests/test_precheck.py; methods outside it are filled in by `check_fs_cfg`)."""
     from federatedscope.core.configs.config import CN  # lazy: importing it runs register_all
-    cfg.fsplug = _to_cfg_node(CN, fsplug_defaults())
+    cfg.fsplug = _to_cfg_node(CN, fsplug_defaults(KnownMethods(index_methods())))
     cfg.register_cfg_check_fun(check_fs_cfg)
 
 
@@ -79,7 +87,7 @@ def raise_problems(plain: dict, fs_known: dict) -> None:
 def check_fs_cfg(cfg) -> None:
     """FS config check function: the schema's checks on the merged config, then what only FS
     has (features the plugin's workers do not carry, FS's monitor's metric list)."""
-    if not cfg.fsplug.method:
+    if 'fsplug' not in cfg or not cfg.fsplug.method:
         return
     raise_problems(to_plain(cfg), fs_known_keys(cfg))
     fill_missing(cfg.fsplug, fsplug_defaults())
@@ -120,13 +128,27 @@ def _other_layer(node, other) -> dict:
     return to_plain(other)
 
 
+def drop_unused_node(ready_for_run):
+    """Wraps FS's CN.ready_for_run (CN.freeze runs it before saving config.yaml): a root
+    config without `fsplug.method` loses the `fsplug` node once FS's checks have run, so a
+    native run's saved config.yaml (and logged config) is FS's own."""
+    @functools.wraps(ready_for_run)
+    def ready_without_unused_node(self, *args, **kwargs):
+        result = ready_for_run(self, *args, **kwargs)
+        if _is_plugin_root(self) and not self.fsplug.method:
+            del self['fsplug']
+        return result
+    return ready_without_unused_node
+
+
 def install_checked_merges(cn_class) -> None:
     """Wraps FS's CN.merge_from_other_cfg (YAML files and client configs go through it) and
-    CN.merge_from_list (the command line)."""
+    CN.merge_from_list (the command line), and CN.ready_for_run (`drop_unused_node`)."""
     if getattr(cn_class, '_fsplug_checked', False):
         return
     cn_class.merge_from_other_cfg = _checked(cn_class.merge_from_other_cfg, _other_layer)
     cn_class.merge_from_list = _checked(cn_class.merge_from_list, _list_layer)
+    cn_class.ready_for_run = drop_unused_node(cn_class.ready_for_run)
     cn_class._fsplug_checked = True
 
 
