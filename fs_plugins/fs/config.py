@@ -18,10 +18,12 @@ autoload hook's `register_all`, which imports this module.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from collections.abc import Mapping
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.fs.metrics import register_named_metrics
 from fs_plugins.fs.secure import raise_grpc_limits, read_credentials
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.metrics import REPORTED_METRICS
@@ -100,10 +102,28 @@ def check_fs_cfg(cfg) -> None:
         read_credentials(cfg)   # every credentials problem named before a port opens
     if cfg.fsplug.data.evaluate_others and 'others' not in cfg.eval.split:
         cfg.eval.split.append('others')
-    # FS's monitor only accepts metrics listed in eval.metrics
-    for name in list(REPORTED_METRICS) + list(cfg.fsplug.eval.gen_metrics):
+    # FS's monitor only accepts metrics listed in eval.metrics (and registered)
+    per_modality = modality_metric_names(cfg)
+    register_named_metrics(per_modality)
+    for name in list(REPORTED_METRICS) + list(cfg.fsplug.eval.gen_metrics) + list(per_modality):
         if name not in cfg.eval.metrics:
             cfg.eval.metrics.append(name)
+
+
+def modality_metric_names(cfg) -> dict[str, bool]:
+    """{metric: larger is better} of the per-test-modality metrics an encoder + LLM model with
+    several encoders reports (run.client.modality_groups: test_<label>_<metric>), which FS's
+    monitor must know: every combination of the configured modalities, as labels join them."""
+    model = cfg.fsplug.model
+    encoders = model.multimodal
+    configured = [m for m, sub in encoders.items() if isinstance(sub, Mapping) and sub.get('backend')]
+    if model.builder != 'imagebind_vicuna' or len(configured) < 2:
+        return {}
+    bases = {'avg_loss': False, 'total': False, **REPORTED_METRICS,
+             **dict.fromkeys(cfg.fsplug.eval.gen_metrics, True)}
+    labels = ['+'.join(c) for k in range(1, len(configured) + 1)
+              for c in itertools.combinations(configured, k)]
+    return {f'{label}_{base}': larger for label in labels for base, larger in bases.items()}
 
 
 def _is_plugin_root(node) -> bool:

@@ -15,6 +15,7 @@ import logging
 import federatedscope.register as fs_register  # imported by FS's config module already
 
 from fs_plugins.fs.config import extend_cfg, install_checked_merges, install_error_report
+from fs_plugins.fs.metrics import register_named_metrics
 from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
 from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX, MODEL_TYPE_SUFFIX, PLUGIN_NAME
 
@@ -88,18 +89,6 @@ def lookup_metric(types):
     return None
 
 
-def generation_metric_lookup(name: str):
-    """Tells FS's monitor that `name` exists and that larger is better. fsplug clients compute
-    it in their own evaluation (by generation); FS's logits-based metric path cannot."""
-    def not_from_logits(ctx, y_true, y_pred, y_prob, **kwargs):
-        raise RuntimeError(f"'{name}' is computed by fsplug clients from generated answers "
-                           f"(fsplug.eval.gen_metrics), not from FS's evaluation logits")
-
-    def lookup(types):
-        return (name, not_from_logits, True) if name in types else None
-    return lookup
-
-
 def register_all(config_module) -> None:
     global _REGISTERED
     if _REGISTERED:
@@ -114,5 +103,4 @@ def register_all(config_module) -> None:
     fs_register.register_trainer('fsplug', lookup_trainer)
     fs_register.register_worker('fsplug', lookup_worker)
     fs_register.register_metric('fsplug', lookup_metric)
-    for name in GENERATION_METRICS:
-        fs_register.register_metric(f'fsplug_{name}', generation_metric_lookup(name))
+    register_named_metrics(dict.fromkeys(GENERATION_METRICS, True))   # computed by generation
