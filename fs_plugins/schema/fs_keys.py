@@ -121,6 +121,19 @@ class DistributeKeys:
 
 
 @dataclass
+class NbaflKeys:
+    """FS's NbAFL (Wei et al., 2020, "Federated Learning with Differential Privacy: Algorithms
+    and Performance Analysis"): clipped, Gaussian-noised uploads and broadcasts of the shared
+    tensors (fs_plugins.run.privacy)."""
+    use: bool = option(False, 'NbAFL differential privacy on what is uploaded and broadcast')
+    mu: float = option(0.0, 'proximal term of NbAFL (FS applies it to the whole model): must '
+                            'be 0 with fsplug methods; use fsplug.method: fedprox', ge=0)
+    epsilon: float = option(100.0, 'privacy budget epsilon', gt=0)
+    w_clip: float = option(1.0, 'clipping threshold C of the uploaded parameters', gt=0)
+    constant: float = option(30.0, 'the constant c of the noise scale', gt=0)
+
+
+@dataclass
 class FSKeys:
     seed: int = option(0, 'run seed: the same YAML and seed give the same numbers')
     expname: str = option('', 'experiment name (results folder)')
@@ -138,3 +151,4 @@ class FSKeys:
     eval: EvalKeys = section(EvalKeys, 'evaluation schedule')
     llm: LlmKeys = section(LlmKeys, 'FS-LLM settings')
     distribute: DistributeKeys = section(DistributeKeys, "FS's distributed mode (FS only)")
+    nbafl: NbaflKeys = section(NbaflKeys, 'NbAFL differential privacy')

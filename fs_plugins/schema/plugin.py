@@ -13,6 +13,18 @@ PLUGIN_NAME = 'fsplug'                  # trainer.type and federate.method
 MODEL_TYPE_SUFFIX = 'fsplug_llm'        # model.type: '<local dir or hub id>@fsplug_llm'
 DATA_TYPE_SUFFIX = 'fsplug'             # data.type: '<file.json|file.jsonl|builtin>@fsplug'
 
+# FS-LLM's names, accepted with fsplug.method set (fs_plugins.schema.fs_llm maps them)
+FS_LLM_MODEL_SUFFIX = 'huggingface_llm'  # model.type: '<hub id or dir>@huggingface_llm'
+FS_LLM_DATA_SUFFIX = 'llm'               # data.type: 'alpaca@llm', 'dolly-15k@llm', 'x.json@llm', ...
+FS_LLM_TRAINER = 'llmtrainer'            # trainer.type
+FS_LLM_METHOD = 'fedavg'                 # federate.method (FS's FedAvg, any case)
+
+
+def is_plugin_data_type(value) -> bool:
+    """data.type the plugin reads: its own '@fsplug' or FS-LLM's '@llm' (FS-LLM's files and
+    field mapping, fs_plugins.data.fs_llm)."""
+    return str(value).endswith(('@' + DATA_TYPE_SUFFIX, '@' + FS_LLM_DATA_SUFFIX))
+
 # fixed value sets, owned here; the code that implements them reads them from here
 DTYPE_NAMES = ('float32', 'bfloat16', 'float16')          # torch dtypes of the frozen base
 QUANTIZATIONS = ('none', '8bit', '4bit')                   # bitsandbytes bases
