@@ -19,6 +19,11 @@ class PluginTrainer(LLMTrainer):
     def bind(self, procedure) -> None:
         self.procedure = procedure
 
+    def _hook_on_fit_start_numerical_precision(self, ctx):
+        """Never `ctx.model.half()` (FS's train.is_enable_half): that would turn the adapters
+        and the uploads into float16. The builder sets the precision: the frozen base in
+        fsplug.model.dtype, every trainable tensor float32."""
+
     def _hook_on_fit_start_init(self, ctx):
         if ctx.cur_mode in (MODE.TRAIN, MODE.FINETUNE):
             steps = self.procedure.begin_round()

@@ -302,7 +302,8 @@ def restore_client(client, payload: dict) -> None:
 def server_payload(server) -> dict:
     return {'state': server.state, 'other_states': server.other_states,
             'client_signature': server.client_signature, 'rejections': server.rejections,
-            'expected_shapes': server._expected, 'rng': rng_state()}
+            'expected_shapes': server._expected, 'dataset_sizes': server.dataset_sizes,
+            'rng': rng_state()}
 
 
 def restore_server(server, payload: dict) -> None:
@@ -313,6 +314,7 @@ def restore_server(server, payload: dict) -> None:
     server.client_signature = payload['client_signature']
     server.rejections = payload['rejections']
     server._expected = payload['expected_shapes']
+    server.dataset_sizes = payload.get('dataset_sizes', {})   # NbAFL's m (run.privacy)
 
 
 def write_client(run_dir: str, client, round_idx: int, with_rng: bool = False) -> int:

@@ -25,6 +25,7 @@ from fs_plugins.models.precision import DTYPES, forward_context, grad_scaler, pl
 from fs_plugins.run.artifacts import client_dir, save_client_model
 from fs_plugins.run.flops import StepCounter, measured_relative_cost, phase_key
 from fs_plugins.run.optim import build_optimizer, build_scheduler, schedule_window
+from fs_plugins.run.privacy import nbafl_settings, private_upload, upload_sigma
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +257,11 @@ class ClientProcedure:
         cost = self.relative_cost()
         if cost is not None:
             metrics['relative_cost'] = cost
+        nbafl = nbafl_settings(self.cfg)
+        if nbafl is not None:   # NbAFL clips and noises the upload only, not the client's model
+            shared = private_upload(shared, nbafl, len(self.train_data), int(self.cfg.seed),
+                                    self.client_id, self.round_idx)
+            metrics['nbafl_sigma_u'] = upload_sigma(nbafl, len(self.train_data))
         return ClientUpdate(self.client_id, samples, shared, extra, metrics,
                             dataset_size=len(self.train_data))
 

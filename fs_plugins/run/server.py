@@ -15,6 +15,7 @@ from fs_plugins.methods.building import build_model
 from fs_plugins.models.builders import architecture_only
 from fs_plugins.run.artifacts import global_dir, save_global_state
 from fs_plugins.run.config import to_plain
+from fs_plugins.run.privacy import broadcast_sigma, nbafl_settings, private_broadcast
 from fs_plugins.run.results import ResultsLog, payload_bytes
 from fs_plugins.run.validation import update_problem
 
@@ -50,24 +51,49 @@ class ServerProcedure:
         # distributed server, which may not have the clients' --client_cfg)
         self.all_client_configs_known = True
         self._expected: dict[int, dict | None] = {}
+        self.nbafl = nbafl_settings(cfg)
+        # NbAFL's m: each client's training records, as its updates report them
+        self.dataset_sizes: dict[int, int] = {}
+        self.content_round = 0   # the training round whose content content_for gives
 
     def sample(self, round_idx: int, client_ids) -> list[int]:
+        self.content_round = round_idx
         return sample_clients(self.cfg.seed, round_idx, client_ids,
                               int(self.cfg.federate.sample_client_num))
 
     def content_for(self, client_id: int, for_training: bool = True) -> dict:
         content = self.method.content_for(self._state_of(client_id), client_id)
         if for_training:
+            content = self.private_content(content)
             self.bytes_down[client_id] = payload_bytes(content)
         return content
+
+    def private_content(self, content: dict) -> dict:
+        """nbafl.use: a training round's content with NbAFL's downlink noise
+        (fs_plugins.run.privacy); the state itself stays noise-free. Before any update the
+        content is the initial state, which holds no client's data, and goes as it is."""
+        if self.nbafl is None:
+            return content
+        if not self.dataset_sizes:
+            if self.content_round > 0 and broadcast_sigma(self.nbafl, 1) > 0:
+                raise RuntimeError(
+                    f'nbafl: round {self.content_round}: no client training-set size known '
+                    f"for the server's noise (NbAFL's m); a resumed run needs them in the "
+                    f'server checkpoint')
+            return content
+        return private_broadcast(content, self.nbafl, min(self.dataset_sizes.values()),
+                                 self.cfg.seed, self.content_round)
 
     def aggregate(self, round_idx: int, updates: list[ClientUpdate]) -> None:
         """Aggregates the round's valid updates (invalid ones are logged and left out)."""
         updates = sorted(updates, key=lambda u: u.client_id)
+        self.content_round = round_idx + 1
         for update in updates:
             sent = payload_bytes(update.shared) + payload_bytes(update.extra)
             self.results.log_train(round_idx, update.client_id, update.num_samples, sent,
                                    self.bytes_down.pop(update.client_id, 0), update.metrics)
+            if update.dataset_size >= 1:
+                self.dataset_sizes[update.client_id] = int(update.dataset_size)
         updates = self.accepted(round_idx, updates)
         if not updates:
             logger.warning(f'fsplug: round {round_idx}: no valid update, the state is unchanged')
