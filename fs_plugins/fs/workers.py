@@ -25,7 +25,9 @@ from collections import OrderedDict
 import torch
 from federatedscope.core.message import Message
 from federatedscope.core.workers import Client, Server
+from yacs.config import CfgNode as YacsCfgNode
 
+from fs_plugins.fs import fs_llm_checkpoint
 from fs_plugins.fs.checkpoints import CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCheckpoints, resume_client
 from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES
 from fs_plugins.fs.logs import share_fs_logging
@@ -59,17 +61,33 @@ class DeferredModel(torch.nn.Module):
 
 class GlobalState(torch.nn.Module):
     """The server's 'model': the global shared tensors, with state_dict semantics so FS's
-    checkpointing (federate.save_to / restore_from) saves and restores them."""
+    checkpointing (federate.save_to / restore_from) saves and restores them. FS's
+    restore_from (in FS's Server.__init__, before `serve_fs_checkpoints`) maps and checks the
+    file's keys, FS-LLM's included; after it, `save_checkpoint` writes FS's save_to files in
+    the form FS-LLM's get_llm loads where the method's global state is plain LoRA
+    (fs_plugins.fs.fs_llm_checkpoint)."""
 
-    def __init__(self, tensors: dict):
+    def __init__(self, tensors: dict, form: fs_llm_checkpoint.CheckpointForm | None = None):
         super().__init__()
         self.tensors = OrderedDict(tensors)
+        self.form = form
+        self._restoring = True   # only FS's restore_from loads before serve_fs_checkpoints
 
     def state_dict(self, *args, **kwargs):
         return OrderedDict(self.tensors)
 
     def load_state_dict(self, state_dict, strict=False):
-        self.tensors.update(state_dict)
+        self.tensors.update(fs_llm_checkpoint.restore(state_dict, self.tensors) if self._restoring
+                            else state_dict)
+
+    def serve_fs_checkpoints(self, aggregator) -> None:
+        """From now on FS's aggregator writes federate.save_to files with `save_checkpoint`."""
+        self._restoring = False
+        if self.form is not None:
+            aggregator.save_model = self.save_checkpoint
+
+    def save_checkpoint(self, path, cur_round=-1):
+        fs_llm_checkpoint.save_checkpoint(self.form, self.tensors, path, cur_round)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError('The fsplug server holds only the global shared state; '
@@ -121,12 +139,14 @@ class PluginServer(Server):
         method.client_configs = {cid: Cfg.wrap(merge(to_plain(config), override))
                                  for cid, override in CLIENT_OVERRIDES.items()}
         shared, layout = initial_global(config, method)
-        model = GlobalState(shared)
+        model = GlobalState(shared, fs_llm_checkpoint.checkpoint_form(
+            config, method, layout, shared, resume_dir or results_dir(config, outdir_is_final=True)))
         if checkpoint:
             state = checkpoint['round'] + 1
         with _fs_worker_init(config):
             super().__init__(ID, state, config, data, model, client_num, total_round_num,
                              device, strategy, unseen_clients_id, **kwargs)
+        model.serve_fs_checkpoints(self.aggregator)   # federate.save_to files
         run_dir = resume_dir or results_dir(config, outdir_is_final=True)
         results = ResultsLog(run_dir, run_info(config, 'federatedscope', CLIENT_NAMES),
                              overwrite=bool(config.fsplug.overwrite),
@@ -145,6 +165,13 @@ class PluginServer(Server):
         self.register_handlers(CHECKPOINTED_MSG, self.callback_funcs_for_checkpointed, [None])
         self._round_receivers: list[int] = []   # of the latest training round (none: not started)
         self._finish_sent = False
+
+    def register_noise_injector(self, func):
+        """FS's runner registers NbAFL's broadcast noise for nbafl.use; it would clip and
+        noise the server's model in place, and broadcast_model_para here never calls it. The
+        plugin noises the training rounds' content itself (ServerProcedure.content_for)."""
+        logger.info('fs-plugins: nbafl: the plugin applies NbAFL itself (fs_plugins.run.privacy); '
+                    "FS's server noise injector is not used")
 
     def broadcast_model_para(self, msg_type='model_para', sample_client_num=-1,
                              filter_unseen_clients=True):
@@ -281,7 +308,7 @@ class PluginClient(Client):
         own = own if to_plain(own) != to_plain(config) else config
         method = method_cls(own)
         built = build_model(own, method)
-        with _fs_worker_init(config):
+        with _fs_worker_init(config), self._without_fs_nbafl(config):
             super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
                              is_unseen_client, *args, **kwargs)
         procedure = ClientProcedure(self.ID, own, method, built, data, _torch_device(device))
@@ -292,6 +319,28 @@ class PluginClient(Client):
         self.trainer.bind(procedure)
         self.register_handlers(SAVE_MSG, self.callback_funcs_for_save, [None])
         self.register_handlers(CHECKPOINT_MSG, self.callback_funcs_for_checkpoint, [None])
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _without_fs_nbafl(config):
+        """FS's trainer builder wraps the trainer for nbafl.use (wrap_nbafl_trainer): hooks
+        that deep-copy every parameter and add noise to all of ctx.model (the frozen base the
+        clients of a process share) after the upload was taken, and a proximal regulariser over
+        the whole model. The plugin applies NbAFL to the upload itself
+        (ClientProcedure.end_round, fs_plugins.run.privacy), so FS builds the trainer without
+        seeing nbafl.use, rather than having its wrapping undone afterwards."""
+        if not config.nbafl.use:
+            yield
+            return
+        frozen = config.is_frozen()
+        config.defrost()
+        config.nbafl.use = False
+        try:
+            yield
+        finally:
+            config.nbafl.use = True
+            if frozen:   # yacs' own freeze: FS's re-checks the config and rewrites config.yaml
+                YacsCfgNode.freeze(config)
 
     def _resume_before(self, round_idx: int) -> None:
         """On resume, before the first content is used: this client's newest checkpoint
