@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from fs_plugins.commands.credentials import make_credentials, party_distribute
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.fs.ports import free_ports
+from fs_plugins.methods.specs import reads_data_type
 from fs_plugins.run.config import load_config, merge, parse_opts, read_yaml
 from fs_plugins.run.runtime import build_federated_records, results_dir
-from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
 
 LAUNCH_DIR = 'launch'
 ROUND_LINE = re.compile(r'training (?:round )?\(Round #(\d+)\)')   # FS's server log, 0-based
@@ -110,7 +110,7 @@ def load_run(cfg_path: str, opts: list[str], run_dir: str | None = None):
 def client_count(cfg) -> int:
     """The clients a run has: the split's (e.g. one per source with `by_source`) for the
     plugin's data, else federate.client_num."""
-    if str(cfg.data.type).endswith('@' + DATA_TYPE_SUFFIX):
+    if reads_data_type(cfg):
         return int(build_federated_records(cfg).client_num)
     return int(cfg.federate.client_num)
 

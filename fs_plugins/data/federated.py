@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.data import glue, splitters, stream
+from fs_plugins.data import fs_llm, glue, splitters, stream
 from fs_plugins.data.builtin import ensure_builtin
 from fs_plugins.data.instruction import load_records
 from fs_plugins.schema.specs import DataSource, SplitSpec
@@ -44,6 +45,16 @@ def resolve_data_path(source: DataSource) -> str:
         raise FileNotFoundError(f"Data file not found: {path} (from data.root = '{root}' and "
                                 f"data.type = '{source.type_value}')")
     return path
+
+
+def source_records(source: DataSource, fields: Mapping[str, str] | None = None,
+                   splitter: str = '', seed: int = 0, split_field: str = 'category') -> list[dict]:
+    """Every record of a data source: FS-LLM's '@llm' data as FS-LLM makes it, else the
+    record file or builtin dataset (fields: fsplug.data.fields; splitter, seed and
+    split_field: what FS-LLM's loading depends on, fs_plugins.data.fs_llm)."""
+    if source.is_fs_llm:
+        return fs_llm.load_fs_llm_records(source, fields, splitter, seed, split_field)
+    return load_records(resolve_data_path(source), fields)
 
 
 def _held_out_count(fraction: float, total: int, available: int) -> int:
@@ -95,12 +106,15 @@ class LoadedRecords:
 def load_data_records(spec: SplitSpec) -> LoadedRecords:
     """The records of data.type and whether their own 'split' field gives train / test: a
     GLUE task (fs_plugins.data.glue) always (its files are the splits; max_records caps its
-    training file), a record file or builtin dataset as fsplug.data.split_from_records says."""
+    training file), a record file, builtin dataset or FS-LLM's data as
+    fsplug.data.split_from_records says."""
     data_cfg = spec.options
-    glue_source = glue.parse_data_type(spec.source.name, spec.source.root)
+    glue_source = None if spec.source.is_fs_llm else glue.parse_data_type(spec.source.name,
+                                                                          spec.source.root)
     if glue_source is not None:
         return LoadedRecords(glue.load_glue(glue_source, data_cfg.max_records), True, [])
-    everything = load_records(resolve_data_path(spec.source))
+    everything = source_records(spec.source, data_cfg.fields, spec.splitter, spec.seed,
+                                data_cfg.split_field)
     records = select_records(everything, data_cfg.split_field, list(data_cfg.select))
     kept = {id(r) for r in records}
     left_out = [r for r in everything if id(r) not in kept]

@@ -1,12 +1,16 @@
 """Instruction records in FS-LLM's JSON / JSONL format, prompts and tokenisation."""
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Mapping
 
 import torch
 
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.data.multimodal import is_multimodal, resolve_images
+from fs_plugins.schema.plugin import RECORD_FIELDS
 
 IGNORE_INDEX = -100
 # prompt templates of instruction records (fsplug.data.prompt)
@@ -19,6 +23,22 @@ ALPACA_WITH_INPUT = (
 ALPACA_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately "
     "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+
+# FS-LLM's template (PROMPT_DICT of federatedscope.llm.dataset.llm_dataset): the Alpaca text
+# with no newline after "### Response:" (the answer follows it directly).
+FS_LLM_WITH_INPUT = ALPACA_WITH_INPUT[:-1]
+FS_LLM_NO_INPUT = ALPACA_NO_INPUT[:-1]
+
+
+@functools.lru_cache(maxsize=1)
+def fs_llm_templates() -> tuple[str, str]:
+    """(with input, without input) of FS-LLM: its own PROMPT_DICT where FederatedScope is
+    installed, else the same text from here."""
+    try:
+        from federatedscope.llm.dataset.llm_dataset import PROMPT_DICT
+    except ImportError:
+        return FS_LLM_WITH_INPUT, FS_LLM_NO_INPUT
+    return PROMPT_DICT['prompt_input'], PROMPT_DICT['prompt_no_input']
 
 
 def read_record_file(path: str) -> list:
@@ -38,13 +58,43 @@ def read_record_file(path: str) -> list:
     return records
 
 
-def load_records(path: str) -> list[dict]:
+def mapped_value(record, index: int, own_field: str, file_field: str, path: str):
+    """The value of `file_field`, read as the record's `own_field` (fsplug.data.fields)."""
+    if not isinstance(record, dict) or file_field not in record:
+        raise ValueError(f"Record {index} of {path} lacks field '{file_field}' (read as "
+                         f"'{own_field}' through fsplug.data.fields)")
+    return record[file_field]
+
+
+def check_field_names(fields: Mapping[str, str]) -> None:
+    unknown = sorted(set(fields) - set(RECORD_FIELDS))
+    if unknown:
+        raise ConfigError(f"fsplug.data.fields: unknown record field(s) {unknown}; its keys are "
+                          f"the plugin's fields ({', '.join(RECORD_FIELDS)}), its values the "
+                          "file's names for them")
+
+
+def rename_fields(records: list, fields: Mapping[str, str], path: str) -> list:
+    """fsplug.data.fields: each record with `own: record[file]` added for every entry (all
+    read before any is written, so fields may swap); its other fields are kept."""
+    if not fields:
+        return records
+    check_field_names(fields)
+    renamed = []
+    for i, rec in enumerate(records):
+        values = {own: mapped_value(rec, i, own, theirs, path) for own, theirs in fields.items()}
+        renamed.append({**rec, **values})
+    return renamed
+
+
+def load_records(path: str, fields: Mapping[str, str] | None = None) -> list[dict]:
     """Reads a .json (list of objects) or .jsonl file of instruction records (at least
-    `instruction` and `output`; `input`, `category` and any other fields are kept) or of
-    multimodal records (`fs_plugins.data.multimodal`, image paths made absolute)."""
+    `instruction` and `output`, under the names `fields` maps them from; `input`, `category`
+    and any other fields are kept) or of multimodal records (`fs_plugins.data.multimodal`,
+    image paths made absolute)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Data file not found: {path}")
-    records = read_record_file(path)
+    records = rename_fields(read_record_file(path), fields or {}, path)
     if records and is_multimodal(records[0]):
         return resolve_images(records, path)
     for i, rec in enumerate(records):
@@ -54,17 +104,29 @@ def load_records(path: str) -> list[dict]:
     return records
 
 
+def fs_llm_prompt(record: dict) -> str:
+    """The source text FS-LLM's LLMDataset builds for `record`."""
+    with_input, no_input = fs_llm_templates()
+    # LLMDataset's own test: a null input (load_jsonl's missing field) takes the with-input
+    # template and shows as 'None', as FS-LLM trains on it
+    template = with_input if record.get('input', '') != '' else no_input
+    return template.format_map(record)
+
+
 def format_prompt(record: dict, template: str) -> str:
     if template == 'plain':
         text = record['instruction']
         return f"{text}\n{record['input']}\n" if record.get('input') else f"{text}\n"
+    if template == 'fs_llm':
+        return fs_llm_prompt(record)
     if record.get('input'):
         return ALPACA_WITH_INPUT.format(instruction=record['instruction'], input=record['input'])
     return ALPACA_NO_INPUT.format(instruction=record['instruction'])
 
 
 def tokenize_record(record: dict, tokenizer, template: str, max_len: int) -> dict | None:
-    """input_ids / labels for one record; loss only on the answer (and EOS).
+    """input_ids / labels for one record; loss only on the answer (and EOS), as FS-LLM's
+    LLMDataset: the prompt's own tokens are masked in the tokens of prompt + answer + EOS.
 
     Returns None when truncation to `max_len` leaves no answer token."""
     prompt = format_prompt(record, template)

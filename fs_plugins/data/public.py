@@ -8,7 +8,7 @@ import numpy as np
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.data.builtin import BUILTIN_DATASETS, ensure_builtin
-from fs_plugins.data.federated import resolve_data_path
+from fs_plugins.data.federated import source_records
 from fs_plugins.data.instruction import load_records
 from fs_plugins.schema.specs import DataSource
 
@@ -21,7 +21,7 @@ def public_records(source: str, run_data: DataSource, count: int, seed: int, key
     name = source or run_data.name
     if not source:
         try:
-            records = load_records(resolve_data_path(run_data))
+            records = source_records(run_data)
         except FileNotFoundError as exc:
             raise ConfigError(f"{key} = '' (the run's data): {exc}") from None
     elif os.sep in source or source.endswith(('.json', '.jsonl')):

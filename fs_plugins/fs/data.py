@@ -1,12 +1,13 @@
-"""FS data plugin: `data.type: '<file.json|file.jsonl|builtin>@fsplug'`."""
+"""FS data plugin: `data.type: '<file.json|file.jsonl|builtin>@fsplug'`, and FS-LLM's
+'<name>@llm' when an fsplug method runs (fs_plugins.data.fs_llm)."""
 from __future__ import annotations
 
 from fs_plugins.fs.config import fs_known_keys
 from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.methods.specs import reads_data_type
 from fs_plugins.run.config import client_overrides
 from fs_plugins.run.runtime import build_federated_records, resolved_override
-from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX
 
 # client id -> name (source dataset), for result labels on the server of this process
 CLIENT_NAMES: dict[int, str] = {}
@@ -15,7 +16,7 @@ CLIENT_OVERRIDES: dict[int, dict] = {}
 
 
 def lookup_data(config, client_cfgs):
-    if not str(config.data.type).endswith('@' + DATA_TYPE_SUFFIX):
+    if not reads_data_type(config):
         return None
     share_fs_logging()   # FS has configured its logger by now
     records = build_federated_records(config)

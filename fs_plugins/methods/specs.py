@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from fs_plugins.schema.options import build, to_plain
-from fs_plugins.schema.plugin import DataOptions, ModelOptions
-from fs_plugins.schema.specs import DataSource, ModelSpec, SplitSpec, location_of
+from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX, FS_LLM_DATA_SUFFIX, DataOptions, ModelOptions
+from fs_plugins.schema.specs import DataSource, ModelSpec, SplitSpec, location_of, suffix_of
 
 
 def device_for(cfg) -> str:
@@ -16,14 +16,32 @@ def device_for(cfg) -> str:
 
 
 def data_source(cfg) -> DataSource:
-    return DataSource(location_of(cfg.data.type), str(cfg.data.root), str(cfg.data.type))
+    # data.subsample is FS's key (FS-LLM's code_search_net); the embedded runner may lack it
+    subsample = float(cfg.data.get('subsample', 1.0))
+    return DataSource(location_of(cfg.data.type), str(cfg.data.root), str(cfg.data.type),
+                      subsample)
+
+
+def prompt_template(cfg) -> str:
+    """fsplug.data.prompt, '' resolved to the data source's own template."""
+    return str(cfg.fsplug.data.prompt) or data_source(cfg).own_prompt
+
+
+def reads_data_type(cfg) -> bool:
+    """Whether the plugin reads data.type: its own '@fsplug' always, FS-LLM's '@llm' when an
+    fsplug method runs (otherwise FS-LLM's own loader reads it)."""
+    suffix = suffix_of(str(cfg.data.type))
+    if suffix == DATA_TYPE_SUFFIX:
+        return True
+    plugin = cfg.get('fsplug') or {}
+    return suffix == FS_LLM_DATA_SUFFIX and bool(plugin.get('method'))
 
 
 def model_spec(cfg) -> ModelSpec:
     return ModelSpec(path=location_of(cfg.model.type),
                      model=build(ModelOptions, to_plain(cfg.fsplug.model)),
                      seed=int(cfg.seed), max_tokens=int(cfg.llm.tok_len),
-                     prompt=str(cfg.fsplug.data.prompt), data=data_source(cfg),
+                     prompt=prompt_template(cfg), data=data_source(cfg),
                      use_gpu=bool(cfg.use_gpu), device=int(cfg.device),
                      gradient_checkpointing=bool(cfg.fsplug.train.gradient_checkpointing),
                      type_value=str(cfg.model.type))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fs_plugins.schema.plugin import DataOptions, ModelOptions
+from fs_plugins.schema.plugin import FS_LLM_DATA_SUFFIX, DataOptions, ModelOptions
 
 MODEL_TYPE_SEPARATOR = '@'
 
@@ -16,12 +16,30 @@ def location_of(type_value: str) -> str:
     return str(type_value).rsplit(MODEL_TYPE_SEPARATOR, 1)[0]
 
 
+def suffix_of(type_value: str) -> str:
+    """The suffix part of FS's `model.type` / `data.type` ('' when there is none)."""
+    location, separator, suffix = str(type_value).rpartition(MODEL_TYPE_SEPARATOR)
+    return suffix if separator else ''
+
+
 @dataclass(frozen=True)
 class DataSource:
     """Where a run's records come from."""
-    name: str                      # data.type without its suffix: a file or a builtin dataset
+    name: str                      # data.type without its suffix: a file or a named dataset
     root: str = 'data'             # data.root
-    type_value: str = ''           # data.type as written (for messages)
+    type_value: str = ''           # data.type as written: its suffix says whose data it is
+    subsample: float = 1.0         # data.subsample (FS-LLM's code_search_net)
+
+    @property
+    def is_fs_llm(self) -> bool:
+        """FS-LLM's data ('<name>@llm'): its named datasets and its reading of record files
+        (fs_plugins.data.fs_llm)."""
+        return suffix_of(self.type_value) == FS_LLM_DATA_SUFFIX
+
+    @property
+    def own_prompt(self) -> str:
+        """The prompt template of this source's records (fsplug.data.prompt = '')."""
+        return 'fs_llm' if self.is_fs_llm else 'alpaca'
 
 
 @dataclass(frozen=True)
