@@ -1,5 +1,6 @@
-"""Small YAMLs for tests, derived from the shipped tiny YAML."""
+"""Small YAMLs for tests, derived from the shipped tiny YAML; the shipped YAMLs."""
 import copy
+import glob
 import os
 
 import yaml
@@ -7,6 +8,17 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, 'yamls', 'fedavg', 'tiny.yaml')
 TESTS_DIR = os.path.join(REPO, 'tests')
+# FS-LLM's own baseline YAMLs plus fsplug.method: they carry FS keys only FederatedScope
+# honours (early_stop, federate.save_to, criterion, llm.chat), so they run through FS only
+# (tests/test_fs_llm_yamls.py), not the embedded runner
+FS_ONLY_YAMLS = os.path.join('yamls', 'fs_llm')
+
+
+def shipped_yamls() -> list[str]:
+    """Every shipped YAML the embedded runner loads (paths relative to the repository)."""
+    paths = glob.glob(os.path.join(REPO, 'yamls', '**', '*.yaml'), recursive=True)
+    return sorted(rel for rel in (os.path.relpath(p, REPO) for p in paths)
+                  if not rel.startswith(FS_ONLY_YAMLS + os.sep))
 
 
 def env_with_tests(**extra) -> dict:

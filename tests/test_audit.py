@@ -2,12 +2,11 @@
 each kind of breach of a method's contract, and every shipped YAML passes it (on its tiny
 variant: the same method, options and LoRA targets on a random-weight model of the same family).
 The YAMLs come from the yamls/ tree and the methods from the registry: no hand-kept list."""
-import glob
 import json
 import os
 
 import pytest
-from helpers import REPO, tiny_config, write_yaml
+from helpers import REPO, shipped_yamls, tiny_config, write_yaml
 
 from fs_plugins.commands.audit import audit_yaml
 from fs_plugins.methods.base import Contract, Phase
@@ -15,8 +14,7 @@ from fs_plugins.methods.registry import get_method_class
 from fs_plugins.run.audit import audit, format_report, group_of, tiny_client_variant, tiny_variant
 from fs_plugins.run.config import load_config, read_yaml
 
-SHIPPED = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, 'yamls', '**', '*.yaml'),
-                                                              recursive=True))
+SHIPPED = shipped_yamls()
 CLIENT_FILES = [p for p in SHIPPED if all(str(k).startswith('client_') for k in read_yaml(os.path.join(REPO, p)))]
 
 

@@ -1,18 +1,16 @@
 """Config loading and strict validation: every shipped YAML loads, and the mistakes a user
 makes end in one clear line per problem naming the key, before anything is built."""
-import glob
 import os
 
 import pytest
-from helpers import REPO, tiny_config, write_yaml
+from helpers import REPO, shipped_yamls, tiny_config, write_yaml
 
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.run.config import ConfigError, client_overrides, load_config, read_yaml
 from fs_plugins.schema import PluginOptions, describe
 from fs_plugins.schema.fs_keys import FSKeys
 
-SHIPPED = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, 'yamls', '**', '*.yaml'),
-                                                              recursive=True))
+SHIPPED = shipped_yamls()
 CLIENT_FILES = [p for p in SHIPPED  # --client_cfg files: every top-level key is client_<id>
                 if all(str(k).startswith('client_') for k in read_yaml(os.path.join(REPO, p)))]
 
@@ -81,9 +79,9 @@ MUTATIONS = [
     (['fsplug.eval.gen_metrics', "['cider']", 'fsplug.eval.generate', 'True'],
      "fsplug.eval.gen_metrics[0] = 'cider': not one of"),
     (['data.splitter', 'random'], "data.splitter = 'random': not one of"),
-    (['data.type', 'tiny_tasks@llm'],
-     "data.type = 'tiny_tasks@llm': must be '<file.json|file.jsonl|builtin name>@fsplug'"),
-    (['federate.share_local_model', 'True'], 'federate.share_local_model = True: must be False'),
+    (['data.type', 'tiny_tasks@hub'],
+     "data.type = 'tiny_tasks@hub': must be '<file.json|file.jsonl|builtin name>@fsplug'"),
+    (['federate.share_local_model', 'sometimes'], "federate.share_local_model = 'sometimes': expected bool"),
     (['fsplug.method', 'fedavgg'], "fsplug.method = 'fedavgg': not one of"),
     (['fsplug.fedprox.mu', '-1'], 'fsplug.fedprox.mu = -1: must be >= 0'),
     (['fsplug.flame.rescale', 'sometimes'], "fsplug.flame.rescale = 'sometimes': not one of: learnable, static, none"),

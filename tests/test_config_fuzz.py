@@ -1,22 +1,19 @@
 """Config fuzzing (issue 14): broken variants of every shipped YAML, generated from the schema
 (fs_plugins.commands.fuzz), each end in a clean error — exit code 2, no traceback — whose message
 names the culprit key, value or path."""
-import glob
 import os
 
 import pytest
 import yaml
+from helpers import REPO, shipped_yamls
 
 from fs_plugins.commands.fuzz import checks_before_and_after_imports, is_client_config, mutations, run_mutation
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def shipped_yamls() -> list[str]:
+def fuzzed_yamls() -> list[str]:
     """Not yamls/*/distributed/: those are derived from the fuzzed sources (and load-tested
     in test_config)."""
-    paths = sorted(glob.glob(os.path.join(REPO, 'yamls', '**', '*.yaml'), recursive=True))
-    return [os.path.relpath(p, REPO) for p in paths if not is_client_config(_read(p))
+    return [p for p in shipped_yamls() if not is_client_config(_read(os.path.join(REPO, p)))
             and f'{os.sep}distributed{os.sep}' not in p]
 
 
@@ -25,7 +22,7 @@ def _read(path):
         return yaml.safe_load(handle) or {}
 
 
-@pytest.mark.parametrize('yaml_path', shipped_yamls())
+@pytest.mark.parametrize('yaml_path', fuzzed_yamls())
 def test_every_broken_variant_of_a_shipped_yaml_ends_in_a_clean_error(tmp_path, yaml_path,
                                                                      monkeypatch):
     monkeypatch.chdir(tmp_path)   # relative data roots and outdirs land in the test's folder
@@ -47,7 +44,7 @@ def in_order_within(part: list[str], whole: list[str]) -> bool:
     return all(any(line == other for other in lines) for line in part)
 
 
-@pytest.mark.parametrize('yaml_path', [p for p in shipped_yamls() if p.endswith(os.sep + 'tiny.yaml')])
+@pytest.mark.parametrize('yaml_path', [p for p in fuzzed_yamls() if p.endswith(os.sep + 'tiny.yaml')])
 def test_the_precheck_reports_each_mistake_it_can_as_the_full_check_does(tmp_path, yaml_path,
                                                                          monkeypatch):
     """Before torch is imported (fs_plugins.schema.precheck): every problem it reports is one

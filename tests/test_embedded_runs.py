@@ -93,6 +93,15 @@ def test_same_seed_same_numbers_other_seed_differs(tmp_path):
     assert [r['test_avg_loss'] for r in a] != [r['test_avg_loss'] for r in c]
 
 
+def test_lora_dropout_is_seeded(tmp_path):
+    """Dropout draws from torch's global generator, which the client reseeds every round."""
+    dropout = {'fsplug': {'model': {'lora': {'dropout': 0.3}}}}
+    a = _rows(_run(tmp_path / 'a', 'fedavg', **dropout), 'train')
+    torch.rand(7)   # whatever drew from the global generator between the runs
+    b = _rows(_run(tmp_path / 'b', 'fedavg', **dropout), 'train')
+    assert a == b
+
+
 def test_eval_freq_and_final_eval(tmp_path):
     results = _run(tmp_path, 'fedavg', rounds=3, eval={'freq': 2})
     assert sorted({r['round'] for r in _rows(results, 'eval')}) == [1, 2]

@@ -4,13 +4,15 @@
 - `yamls/<id>/` is that method's folder: it holds `tiny.yaml`, which runs the method
   (`fsplug.method: <id>`), and the method's paper experiments (which may run its baselines);
 - any other folder of `yamls/` is a benchmark harness named for its data: every YAML in it
-  reads `data.type: <folder>…`, and the method comes from the command line or the YAML."""
+  reads `data.type: <folder>…`, and the method comes from the command line or the YAML;
+- `yamls/fs_llm/` holds FS-LLM's own baseline YAMLs plus `fsplug.method`
+  (`<FS-LLM dataset>_<method id>.yaml`, docs/fs_llm.md)."""
 import os
 import re
 
 import pytest
 import yaml
-from helpers import REPO
+from helpers import FS_ONLY_YAMLS, REPO
 
 from fs_plugins.methods.registry import all_methods
 
@@ -38,7 +40,7 @@ def test_method_id_and_its_folder(name):
 
 @pytest.mark.parametrize('folder', sorted(d for d in os.listdir(YAMLS) if os.path.isdir(os.path.join(YAMLS, d))))
 def test_every_yaml_folder_is_a_method_or_a_benchmark(folder):
-    if folder in all_methods():
+    if folder in all_methods() or os.path.join('yamls', folder) == FS_ONLY_YAMLS:
         return
     files = [f for f in sorted(os.listdir(os.path.join(YAMLS, folder))) if f.endswith('.yaml')]
     assert files, f'yamls/{folder}/ is neither a method id nor a benchmark harness with YAMLs'
@@ -47,3 +49,9 @@ def test_every_yaml_folder_is_a_method_or_a_benchmark(folder):
         assert data_type.startswith(folder), (
             f"yamls/{folder}/{name}: a folder that is not a method id is a benchmark harness named "
             f"for its data, but data.type is '{data_type}'")
+
+
+@pytest.mark.parametrize('name', sorted(os.listdir(os.path.join(REPO, FS_ONLY_YAMLS))))
+def test_fs_llm_yamls_name_their_method(name):
+    method = _read(os.path.join(REPO, FS_ONLY_YAMLS, name))['fsplug']['method']
+    assert name.endswith(f'_{method}.yaml') and method in _package_methods(), name

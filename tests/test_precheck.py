@@ -3,7 +3,6 @@ a mistake in a YAML or on the command line ends in the full check's own error wi
 second, without importing torch; the method index it reads is generated from the registry.
 
 `python scripts/gen_reference.py` regenerates fs_plugins/schema/method_index.py (with docs/reference.md)."""
-import glob
 import json
 import os
 import re
@@ -13,7 +12,7 @@ import time
 
 import pytest
 import yaml
-from helpers import REPO, env_with_tests, tiny_config, write_yaml
+from helpers import REPO, env_with_tests, shipped_yamls, tiny_config, write_yaml
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.registry import all_methods
@@ -93,8 +92,7 @@ def test_a_stale_index_leaves_the_decision_to_the_full_check(tmp_path, monkeypat
 
 # ------------------------------------------------------------------ what it checks
 
-@pytest.mark.parametrize('path', sorted(os.path.relpath(p, REPO) for p in glob.glob(
-    os.path.join(REPO, 'yamls', '**', '*.yaml'), recursive=True)))
+@pytest.mark.parametrize('path', shipped_yamls())
 def test_every_shipped_yaml_passes(path):
     with open(os.path.join(REPO, path), encoding='utf-8') as handle:
         plain = yaml.safe_load(handle) or {}

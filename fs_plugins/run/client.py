@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from fs_plugins.core.seeding import use_deterministic_algorithms
+from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
 from fs_plugins.data import stream
 from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
 from fs_plugins.data.multimodal import reference_answer
@@ -115,6 +115,9 @@ class ClientProcedure:
     def begin_round(self) -> int:
         """Prepares a local round; returns its micro-batches: optimiser steps (all phases
         together) × grad.grad_accum_count."""
+        # LoRA dropout (and any other draw during training) uses torch's global generator:
+        # seeded per client and round, so it depends on neither the clients' order nor the runner
+        torch.manual_seed(derive_seed(self.cfg.seed, 'local_round', self.client_id, self.round_idx))
         if self.dynamic:
             self.stream.set_memory(self.memory_size(self.round_idx))
         self.method.round_idx = self.round_idx

@@ -20,6 +20,8 @@ from fs_plugins.core.errors import closest_spelling
 
 # bookkeeping entries FS's CfgNode keeps inside every node
 FS_AUX_KEYS = frozenset({'__cfg_check_funcs__', '__help_info__', 'is_ready_for_run'})
+# marks a node of FS's key tree that accepts any key (a CfgNode with new_allowed)
+OPEN_NODE = '__open__'
 
 
 def to_plain(value):
@@ -98,10 +100,20 @@ def _list_item(tp):
     return None
 
 
+def _dict_value(tp):
+    """The value type of a `dict[str, X]` annotation (its keys are strings), else None."""
+    if typing.get_origin(tp) is dict:
+        return (typing.get_args(tp) or (str, Any))[-1]
+    return None
+
+
 def type_name(tp) -> str:
     inner = _optional_inner(tp)
     if inner is not None:
         return f'{type_name(inner)} or null'
+    value = _dict_value(tp)
+    if value is not None:
+        return f'mapping of str to {type_name(value)}'
     item = _list_item(tp)
     if item is not None:
         return f'list of {type_name(item)}'
@@ -127,6 +139,9 @@ def _coerce(value, tp):
     item = _list_item(tp)
     if item is not None:
         return [_coerce(v, item) for v in value]
+    entry = _dict_value(tp)
+    if entry is not None:
+        return {k: _coerce(v, entry) for k, v in value.items()}
     if tp is float:
         return float(value)
     return value
@@ -186,6 +201,8 @@ def check_value(key: str, value, tp, meta: Mapping, registries: bool = True) -> 
         for i, entry in enumerate(value):
             problems += check_value(f'{key}[{i}]', entry, item, meta, registries)
         return problems
+    if _dict_value(tp) is not None:
+        return _mapping_problems(key, value, tp, meta, registries)
     if not _type_ok(value, tp):
         return [f'{key} = {value!r}: expected {type_name(tp)}']
     dynamic = callable(meta.get('choices'))
@@ -197,6 +214,21 @@ def check_value(key: str, value, tp, meta: Mapping, registries: bool = True) -> 
         if problem:
             return [f'{key} = {value!r}: {problem}']
     return []
+
+
+def _mapping_problems(key: str, value, tp, meta: Mapping, registries: bool) -> list[str]:
+    """A `dict[str, X]` option: `choices` are its allowed keys, bounds apply to each value."""
+    if not isinstance(value, Mapping):
+        return [f'{key} = {value!r}: expected a {type_name(tp)}']
+    allowed = _resolve_choices(meta.get('choices'))
+    problems = []
+    for name, entry in value.items():
+        if not isinstance(name, str) or (allowed is not None and name not in allowed):
+            problems.append(unknown_key_message(key, str(name), allowed or ()))
+            continue
+        problems += check_value(f'{key}.{name}', entry, _dict_value(tp),
+                                {**meta, 'choices': None}, registries)
+    return problems
 
 
 def check_section(cls, values, path: str = '', strict: bool = True,

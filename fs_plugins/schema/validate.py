@@ -12,12 +12,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from fs_plugins.core.registry import METHODS
-from fs_plugins.schema.fs_keys import FSKeys
-from fs_plugins.schema.options import FS_AUX_KEYS, check_section, check_value, defaults_of, unknown_key_message
-from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX, MODEL_TYPE_SUFFIX, PLUGIN_NAME, PluginOptions
-
-# marks a node of FS's key tree that accepts any key (a CfgNode with new_allowed)
-OPEN_NODE = '__open__'
+from fs_plugins.schema.fs_keys import FSKeys, reported_metric_names
+from fs_plugins.schema.fs_llm import map_fs_llm_names, refused_key_problems, unreported_metric_problems
+from fs_plugins.schema.options import (
+    FS_AUX_KEYS,
+    OPEN_NODE,
+    check_section,
+    check_value,
+    defaults_of,
+    unknown_key_message,
+)
+from fs_plugins.schema.plugin import (
+    DATA_TYPE_SUFFIX,
+    FS_LLM_DATA_SUFFIX,
+    FS_LLM_MODEL_SUFFIX,
+    FS_LLM_TRAINER,
+    MODEL_TYPE_SUFFIX,
+    PLUGIN_NAME,
+    PluginOptions,
+    is_plugin_data_type,
+)
 
 
 def method_classes() -> dict:
@@ -98,24 +112,38 @@ def check_plugin_node(plug: Mapping, known: KnownMethods | None = None) -> tuple
     return normalised, problems
 
 
-def validate(cfg: Mapping, fs_known: Mapping | None = None,
-             known: KnownMethods | None = None) -> tuple[dict, list[str]]:
+def validate(cfg: Mapping, fs_known: Mapping | None = None, known: KnownMethods | None = None,
+             fs_base: Mapping | None = None) -> tuple[dict, list[str]]:
     """(normalised config, problems) of a merged config given as plain nested dicts.
 
     fs_known: FS's own key tree under FederatedScope (FS keys are then checked against it and
     only the FS keys the plugin reads are type-checked); None in the embedded runner, which
     accepts only the FS keys it reads (`FSKeys`). known: the methods to check against (default:
-    the registered ones; the pre-check passes those of its index)."""
+    the registered ones; the pre-check passes those of its index). fs_base: FS's defaults under
+    FederatedScope; FS keys set away from them are checked against the plugin's classification
+    of FS's keys (`fs_plugins.schema.fs_llm`), which the embedded runner does with the defaults
+    of `FSKeys` (under FS without fs_base, e.g. a client entry, FS's own merge checks them).
+
+    With fsplug.method set, FS-LLM's names are mapped onto the plugin's first: the normalised
+    config holds the plugin's names (`map_fs_llm_names`)."""
     plug = cfg.get('fsplug', {})
     if fs_known is not None and not plug.get('method'):
         return dict(cfg), []     # the plugin is off: FederatedScope checks its own keys
     known = known or registered_methods()
+    base = fs_base if fs_base is not None else fs_defaults()
+    fs_llm_problems = (refused_key_problems(cfg, base, fs_known)
+                       if fs_known is None or fs_base is not None else [])
+    if plug.get('method'):
+        cfg, found = map_fs_llm_names(cfg, base)
+        fs_llm_problems += found
+    if known.registries:
+        fs_llm_problems += unreported_metric_problems(cfg, reported_metric_names())
     fs_part = {k: v for k, v in cfg.items() if k != 'fsplug'}
     problems = unknown_keys(fs_part, fs_known) if fs_known is not None else []
     normalised, found = check_section(FSKeys, fs_part, strict=fs_known is None,
                                       registries=known.registries)
-    problems += found
-    normalised['fsplug'], found = check_plugin_node(plug, known)
+    problems += found + fs_llm_problems
+    normalised['fsplug'], found = check_plugin_node(cfg.get('fsplug', {}), known)
     problems += found
     return normalised, problems + rule_problems(normalised, known)
 
@@ -138,9 +166,10 @@ def rule_problems(cfg: Mapping, known: KnownMethods | None = None) -> list[str]:
 
 
 def _plugin_workers(cfg) -> list[str]:
-    return [f"{key} = {value!r}: must be '{PLUGIN_NAME}' when fsplug.method is set"
-            for key, value in (('trainer.type', cfg['trainer']['type']),
-                               ('federate.method', cfg['federate']['method']))
+    return [f"{key} = {value!r}: must be '{PLUGIN_NAME}' (or FS-LLM's '{alias}') when "
+            'fsplug.method is set'
+            for key, value, alias in (('trainer.type', cfg['trainer']['type'], FS_LLM_TRAINER),
+                                      ('federate.method', cfg['federate']['method'], 'FedAvg'))
             if str(value).lower() != PLUGIN_NAME]
 
 
@@ -148,22 +177,32 @@ def _model_and_data_types(cfg) -> list[str]:
     problems = []
     if not str(cfg['model']['type']).endswith('@' + MODEL_TYPE_SUFFIX):
         problems.append(f"model.type = {cfg['model']['type']!r}: must be "
-                        f"'<local dir or hub id>@{MODEL_TYPE_SUFFIX}'")
-    if not str(cfg['data']['type']).endswith('@' + DATA_TYPE_SUFFIX):
+                        f"'<local dir or hub id>@{MODEL_TYPE_SUFFIX}' (or FS-LLM's "
+                        f"'@{FS_LLM_MODEL_SUFFIX}')")
+    if not is_plugin_data_type(cfg['data']['type']):
         problems.append(f"data.type = {cfg['data']['type']!r}: must be "
-                        f"'<file.json|file.jsonl|builtin name>@{DATA_TYPE_SUFFIX}'")
+                        f"'<file.json|file.jsonl|builtin name>@{DATA_TYPE_SUFFIX}' (or FS-LLM's "
+                        f"'<name>@{FS_LLM_DATA_SUFFIX}')")
     return problems
 
 
 def _federation(cfg) -> list[str]:
-    fed, problems = cfg['federate'], []
-    if fed['share_local_model'] is True:
-        problems.append('federate.share_local_model = True: must be False for fsplug methods '
-                        '(each client keeps its own model and client-local state)')
+    fed = cfg['federate']
     if fed['sample_client_num'] > fed['client_num'] >= 1:
-        problems.append(f"federate.sample_client_num = {fed['sample_client_num']}: must be <= "
-                        f"federate.client_num = {fed['client_num']}")
-    return problems
+        return [f"federate.sample_client_num = {fed['sample_client_num']}: must be <= "
+                f"federate.client_num = {fed['client_num']}"]
+    return []
+
+
+def _best_result_key(cfg) -> list[str]:
+    """A val_* best-result key needs validation records (FS's default is FS-LLM's 'val_loss')."""
+    key, data = cfg['eval']['best_res_update_round_wise_key'], cfg['fsplug']['data']
+    if not str(key).startswith('val_') or data['val_fraction'] > 0 or data['split_from_records'] is True:
+        return []
+    return [f'eval.best_res_update_round_wise_key = {key!r} needs a validation split: set '
+            'fsplug.data.val_fraction > 0 (FS-LLM: data.splits [train, val, test]) or '
+            "fsplug.data.split_from_records, or use a test_* key (FS's default, 'val_loss', means "
+            "'val_avg_loss')"]
 
 
 def _task_stream(cfg) -> list[str]:
@@ -193,5 +232,6 @@ def _method_rules(cfg) -> list[str]:
 
 
 # the rules that need no registry (the pre-check runs these), then those that do
-GENERAL_RULES = (_plugin_workers, _model_and_data_types, _federation, _generation, _task_stream)
+GENERAL_RULES = (_plugin_workers, _model_and_data_types, _federation, _best_result_key, _generation,
+                 _task_stream)
 RULES = GENERAL_RULES + (_method_rules,)
