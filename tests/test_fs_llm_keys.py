@@ -19,7 +19,7 @@ from fs_plugins.schema.fs_llm import (
     MAPPED,
     REFUSED,
     classify,
-    explicit_derived_problems,
+    layer_problems,
     leaves,
     map_fs_llm_names,
     refused_key_problems,
@@ -281,9 +281,13 @@ def test_a_derived_key_is_refused_only_where_a_layer_sets_it():
     merged = deep_update(copy.deepcopy(OFF), {'train': {'local_update_steps': 2},
                                                'personalization': {'local_update_steps': 30}})
     assert refused_key_problems(merged, OFF) == []     # FS derived 30 from an earlier layer
-    assert explicit_derived_problems({'train': {'local_update_steps': 2}}, merged, OFF) == []
-    assert explicit_derived_problems(merged, merged, OFF) == []    # a whole config merged back
-    problems = explicit_derived_problems({'personalization': {'local_update_steps': 5}}, merged, OFF)
+    assert layer_problems({'train': {'local_update_steps': 2}}, merged, merged, OFF) == []
+    assert layer_problems(merged, merged, merged, OFF) == []    # a whole config merged back
+    adapter_off = layer_problems({'llm': {'adapter': {'use': 'False'}}}, merged,
+                                 deep_update(copy.deepcopy(merged), {'llm': {'adapter': {'use': False}}}), OFF)
+    assert len(adapter_off) == 1 and 'llm.adapter.use = False' in adapter_off[0]
+    five = deep_update(copy.deepcopy(merged), {'personalization': {'local_update_steps': 5}})
+    problems = layer_problems({'personalization': {'local_update_steps': 5}}, merged, five, OFF)
     assert len(problems) == 1 and 'personalization.local_update_steps' in problems[0]
 
 

@@ -12,6 +12,12 @@ generated method index (importing no method, hence no torch, transformers or pef
 removed when FS readies the config for the run, so that the saved config.yaml loads in FS
 without the plugin (`drop_unused_node`).
 
+With `fsplug.method` set, FS-LLM's names are mapped onto the plugin's (fs_plugins.schema.fs_llm):
+the merge checks see the mapped config, and `check_fs_cfg` writes the mapping onto the CfgNode,
+so FS builds the plugin's trainer, workers and model from an FS-LLM YAML as written. FS keys the
+plugin refuses are compared with FS's defaults (`fs_default_values`) as the user merged them;
+values FS's own checks derive are recognised (`fs_llm.DERIVED_FROM`, the accepted values).
+
 FS's config module is imported only inside the functions that use it: importing it runs the
 autoload hook's `register_all`, which imports this module.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import sys
 from collections.abc import Mapping
 
@@ -28,14 +35,12 @@ from fs_plugins.fs.secure import raise_grpc_limits, read_credentials
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.metrics import REPORTED_METRICS
 from fs_plugins.run.config import import_extra_modules, merge, parse_opts
+from fs_plugins.schema.fs_llm import changed_leaves, layer_problems, map_fs_llm_names
 from fs_plugins.schema.options import to_plain
 from fs_plugins.schema.precheck import index_methods
 from fs_plugins.schema.validate import OPEN_NODE, KnownMethods, fsplug_defaults, validate
 
-# FS features that act on FS's default message contents, which the fsplug workers replace
-UNSUPPORTED_FS_FEATURES = (('federate.use_ss', lambda c: c.federate.use_ss),
-                           ('quantization.method', lambda c: c.quantization.method != 'none'),
-                           ('asyn.use', lambda c: c.asyn.use))
+logger = logging.getLogger(__name__)
 
 
 def key_tree(node) -> dict:
@@ -79,24 +84,68 @@ def extend_cfg(cfg) -> None:
     cfg.register_cfg_check_fun(check_fs_cfg)
 
 
-def raise_problems(plain: dict, fs_known: dict) -> None:
+def plain_config(cfg) -> dict:
+    """A CfgNode as plain nested dicts, FS's `Argument` wrappers (fedopt.optimizer.*) unwrapped
+    to their values (they compare by identity)."""
+    from federatedscope.core.configs.yacs_config import Argument  # lazy: see the module docstring
+
+    def unwrap(value):
+        if isinstance(value, dict):
+            return {k: unwrap(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [unwrap(v) for v in value]
+        return value.value if isinstance(value, Argument) else value
+    return unwrap(to_plain(cfg))
+
+
+@functools.cache
+def fs_default_values() -> dict:
+    """FS's defaults as plain dicts, from a freshly built global config (without `fsplug`)."""
+    from federatedscope.core.configs.config import CN, init_global_cfg  # lazy: see the docstring
+    fresh = CN()
+    init_global_cfg(fresh)
+    plain = plain_config(fresh)
+    plain.pop('fsplug', None)
+    return plain
+
+
+def raise_problems(plain: dict, fs_known: dict) -> dict:
+    """The config's problems raised at once; else the config with its values normalised."""
     import_extra_modules(plain.get('fsplug', {}).get('import_modules', []))
-    _, problems = validate(plain, fs_known)
+    normalised, problems = validate(plain, fs_known, fs_base=fs_default_values())
     if problems:
         raise ConfigError(problems)
+    return normalised
+
+
+def apply_fs_llm_names(cfg, plain: dict) -> None:
+    """Writes FS-LLM's names, mapped onto the plugin's, into the CfgNode (FS builds its trainer,
+    workers and model from these keys; FS-LLM's trainer would also halve the trainables for
+    train.is_enable_half, which is reset once it became fsplug.model.dtype)."""
+    mapped, _ = map_fs_llm_names(plain, fs_default_values())
+    changes = changed_leaves(plain, mapped)
+    for key, value in changes.items():
+        *parents, leaf = key.split('.')
+        node = cfg
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    if changes:
+        logger.info('fs-plugins: FS-LLM keys mapped onto the plugin\'s: '
+                    + ', '.join(f'{key} = {value!r}' for key, value in changes.items()))
 
 
 def check_fs_cfg(cfg) -> None:
-    """FS config check function: the schema's checks on the merged config, then what only FS
-    has (features the plugin's workers do not carry, FS's monitor's metric list)."""
+    """FS config check function: the schema's checks on the merged config (every FS key the
+    plugin refuses among them), FS-LLM's names written as the plugin's, then what only FS has
+    (FS's monitor's metric list)."""
     if 'fsplug' not in cfg or not cfg.fsplug.method:
         return
-    raise_problems(to_plain(cfg), fs_known_keys(cfg))
+    plain = plain_config(cfg)
+    raise_problems(plain, fs_known_keys(cfg))
     fill_missing(cfg.fsplug, fsplug_defaults())
+    apply_fs_llm_names(cfg, plain_config(cfg))
     get_method_class(cfg.fsplug.method).resolve_config(cfg)
-    active = [key for key, is_on in UNSUPPORTED_FS_FEATURES if is_on(cfg)]
-    if active:
-        raise ConfigError([f'{key} is not supported with fsplug methods; turn it off' for key in active])
     raise_grpc_limits(cfg)
     if str(cfg.federate.mode).lower() == 'distributed':
         read_credentials(cfg)   # every credentials problem named before a port opens
@@ -134,8 +183,12 @@ def _checked(merge_method, layer_of):
     @functools.wraps(merge_method)
     def merged_after_check(self, source, *args, **kwargs):
         if _is_plugin_root(self):
-            layer = layer_of(self, source)
-            raise_problems(merge(to_plain(self), layer), fs_known_keys(self))
+            layer, before = layer_of(self, source), plain_config(self)
+            after = raise_problems(merge(before, layer), fs_known_keys(self))
+            if (after.get('fsplug') or {}).get('method'):
+                derived = layer_problems(layer, before, after, fs_default_values())
+                if derived:
+                    raise ConfigError(derived)
         return merge_method(self, source, *args, **kwargs)
     return merged_after_check
 
@@ -145,7 +198,7 @@ def _list_layer(node, opts) -> dict:
 
 
 def _other_layer(node, other) -> dict:
-    return to_plain(other)
+    return plain_config(other)
 
 
 def drop_unused_node(ready_for_run):
@@ -173,14 +226,14 @@ def install_checked_merges(cn_class) -> None:
 
 
 def install_error_report() -> None:
-    """An uncaught ConfigError (e.g. from `python federatedscope/main.py`) prints its lines
-    without a traceback; everything else is reported as before."""
+    """An uncaught ConfigError (a DataFileError among them; e.g. from `python
+    federatedscope/main.py`) prints its lines without a traceback, and Python exits with 1;
+    everything else is reported as before."""
     previous = sys.excepthook
 
     def report(kind, value, traceback):
         if isinstance(value, ConfigError):
-            print('fs-plugins: config error:\n' + '\n'.join(f'  {p}' for p in value.problems),
-                  file=sys.stderr)
+            print(value.report(), file=sys.stderr)
             return
         previous(kind, value, traceback)
     sys.excepthook = report

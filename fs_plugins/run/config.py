@@ -5,6 +5,7 @@ Also the small helpers both runners use on a loaded config (`model_path`, `data_
 `client_config`). The schema itself lives in `fs_plugins.schema`."""
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Mapping
 
@@ -14,6 +15,7 @@ import fs_plugins.metrics  # noqa: F401  (generation and reported metrics)
 import fs_plugins.models  # noqa: F401  (model builders, encoders, adapters)
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.schema.fs_llm import assign, changed_leaves, map_fs_llm_names
 from fs_plugins.schema.loading import (
     check_layers,
     checked,
@@ -69,15 +71,23 @@ def known_part(plain: Mapping, known: Mapping) -> dict:
     return out
 
 
-def load_saved_config(plain: Mapping, source: str) -> Cfg:
+def load_saved_config(plain: Mapping, source: str, trusted_modules=()) -> Cfg:
     """A config stored by a run (run_info.json, a saved model's JSON), loaded for the embedded
-    code: FederatedScope's own keys the plugin does not read are dropped first."""
-    import_extra_modules((plain.get('fsplug') or {}).get('import_modules', []))
-    known = {**fs_defaults(), 'fsplug': fsplug_defaults()}
+    code: FederatedScope's own keys the plugin does not read are dropped first. Its
+    fsplug.import_modules are never imported (a results folder from elsewhere must not run
+    code): only `trusted_modules`, which the caller was given (`--import-module`), are."""
+    import_extra_modules(trusted_modules)
+    fields = known_part(plain, {**fs_defaults(), 'fsplug': fsplug_defaults()})
+    saved_modules = layer_modules(fields)
+    if isinstance(fields.get('fsplug'), Mapping):
+        fields['fsplug'] = {**fields['fsplug'], 'import_modules': list(trusted_modules)}
     try:
-        return load_config(overrides=known_part(plain, known))
+        return load_config(overrides=fields)
     except ConfigError as exc:
-        raise ConfigError([f'{source}: {p}' for p in exc.problems]) from None
+        untrusted = [m for m in saved_modules if m not in trusted_modules]
+        hint = [f'{source} names fsplug.import_modules {untrusted}; pass '
+                f'{" ".join("--import-module " + m for m in untrusted)} to trust it'] if untrusted else []
+        raise ConfigError(hint + [f'{source}: {p}' for p in exc.problems]) from None
 
 
 def resolve_derived(cfg) -> None:
@@ -109,10 +119,22 @@ def client_overrides(client_cfgs, cfg, fs_known: Mapping | None = None) -> dict[
         merged, found = validate(merge(to_plain(cfg), override), fs_known)
         if not found and cfg.fsplug.method:
             found = get_method_class(cfg.fsplug.method).client_problems(to_plain(cfg), merged)
+            override = with_plugin_names(to_plain(cfg), override)
         problems += [f'--client_cfg {key}: {p}' for p in found]
         out[cid] = override
     if problems:
         raise ConfigError(problems)
+    return out
+
+
+def with_plugin_names(plain: dict, override: Mapping) -> dict:
+    """A client's entry plus the plugin keys its FS-LLM keys stand for (`map_fs_llm_names`),
+    so that whoever merges the entry without the checks (FS's server side) sees the plugin's."""
+    merged = merge(plain, override)
+    mapped, _ = map_fs_llm_names(merged, fs_defaults())
+    out = copy.deepcopy(dict(override))
+    for key, value in changed_leaves(merged, mapped).items():
+        assign(out, key, value)
     return out
 
 

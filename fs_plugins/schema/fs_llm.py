@@ -319,20 +319,34 @@ def _counts_as_default(key: str, value, rule: KeyClass, cfg: Mapping, fs_base: M
             or key in DERIVED_FROM)
 
 
-def explicit_derived_problems(layer: Mapping, before: Mapping, fs_base: Mapping) -> list[str]:
-    """The DERIVED_FROM keys a config layer (a YAML, a command line) changes to a value other
-    than FS's default and the one FS would derive: refused as their prefix's rule says. A layer
-    that is a whole config (FS merges its data loader's copy back) repeats the value FS
-    derived earlier: unchanged, it passes."""
-    merged = merge_plain(before, layer)
+# FS defaults a merged config cannot tell from unset: refused only where a layer writes them
+REFUSED_WHEN_WRITTEN = {
+    'llm.adapter.use': (False, 'every fsplug method trains adapters (fsplug.model.lora); '
+                               "FS-LLM's full fine-tuning has no plugin equivalent"),
+}
+
+
+def layer_problems(layer: Mapping, before: Mapping, after: Mapping, fs_base: Mapping) -> list[str]:
+    """What only a config layer (a YAML, a command line) shows: a DERIVED_FROM key it changes
+    to a value other than FS's default and the one FS would derive, and a
+    REFUSED_WHEN_WRITTEN value it writes. A layer that is a whole config (FS merges its data
+    loader's copy back) repeats what earlier layers and FS's checks made: it passes. `after`:
+    the config with the layer merged, its values decoded (a command line's are strings)."""
+    if not isinstance(layer, Mapping) or set(before) <= set(layer):
+        return []
     problems = []
     for key, source in DERIVED_FROM.items():
-        value = lookup(layer, key, _MISSING)
-        if value is _MISSING or value in (lookup(fs_base, key, _MISSING), lookup(before, key, _MISSING),
-                                          lookup(merged, source, _MISSING)):
+        if lookup(layer, key, _MISSING) is _MISSING:
+            continue
+        value = lookup(after, key, _MISSING)
+        if value in (lookup(fs_base, key, _MISSING), lookup(before, key, _MISSING),
+                     lookup(after, source, _MISSING)):
             continue
         problems.append(f'{key} is not supported with fsplug methods (set to {value!r}): '
                         f'{(classify(key) or UNCLASSIFIED).reason}')
+    for key, (value, reason) in REFUSED_WHEN_WRITTEN.items():
+        if lookup(layer, key, _MISSING) is not _MISSING and lookup(after, key, _MISSING) == value:
+            problems.append(f'{key} = {value!r} is not supported with fsplug methods: {reason}')
     return problems
 
 

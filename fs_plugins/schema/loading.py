@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import yaml
 
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.schema.fs_llm import layer_problems
 from fs_plugins.schema.validate import KnownMethods, validate
 
 
@@ -107,6 +108,13 @@ def check_layers(layers: list[tuple[Mapping, str]], base: dict, fs_known: Mappin
     merged = base
     if not layers:
         merged = checked(merged, '', fs_known, known)
+    fs_base = {k: v for k, v in base.items() if k != 'fsplug'}
     for layer, source in layers:
-        merged = checked(merge(merged, layer), source if name_sources else '', fs_known, known)
+        before, merged = merged, checked(merge(merged, layer), source if name_sources else '',
+                                         fs_known, known)
+        problems = (layer_problems(layer, before, merged, fs_base) if merged['fsplug']['method']
+                    else [])
+        if problems:
+            prefix = f'{source}: ' if name_sources and source else ''
+            raise ConfigError([prefix + p for p in problems])
     return merged
