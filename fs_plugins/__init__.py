@@ -7,7 +7,8 @@ __version__ = '0.1.0'
 __all__ = ['load_trained']
 
 
-def load_trained(run_dir: str, client=None, device: str = 'cpu'):
-    """A run's trained model rebuilt from its results directory (see fs_plugins.run.artifacts)."""
+def load_trained(run_dir: str, client=None, device: str = 'cpu', import_modules=()):
+    """A run's trained model rebuilt from its results directory (see fs_plugins.run.artifacts);
+    `import_modules`: modules to trust and import first (the saved config's are not imported)."""
     from fs_plugins.run.artifacts import load_trained as load  # lazy: `import fs_plugins` stays cheap
-    return load(run_dir, client, device)
+    return load(run_dir, client, device, import_modules)

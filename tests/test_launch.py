@@ -83,7 +83,9 @@ def test_a_secure_launch_gives_each_party_its_own_credentials(tmp_path, auth):
     cfg = tiny_config(tmp_path, 'fedavg', federate={'client_num': 2, 'sample_client_num': 2},
                       data={'splitter': 'iid'})
     federation = LocalFederation(write_yaml(tmp_path / 'c.yaml', cfg), secure=auth)
-    assert federation.security.folder == os.path.join(federation.run_dir, 'launch', 'credentials')
+    # made for this launch outside the (shareable) results directory, owner-only
+    assert not os.path.abspath(federation.security.folder).startswith(federation.run_dir + os.sep)
+    assert os.stat(federation.security.folder).st_mode & 0o777 == 0o700
     for party in federation.parties:
         distribute = _derived(party)['fsplug']['distribute']
         named = {os.path.basename(v) for k, v in distribute.items() if k != 'auth'}

@@ -9,12 +9,15 @@ contract (see fs_plugins.run.audit).
 `fs-plugins predict --run DIR [--client K] --input Q.jsonl [--output A.jsonl]` answers questions
 with a run's fine-tuned model; `fs-plugins eval --run DIR [--client K] --data FILE` re-evaluates
 it on another dataset; `fs-plugins export --run DIR [--client K] [--merge] --out DIR2` writes it
-as a Hugging Face folder (see fs_plugins.run.trained).
+as a Hugging Face folder (see fs_plugins.run.trained). A run folder may come from anyone: the
+modules its saved config names (fsplug.import_modules) are imported only when given again as
+`--import-module M`, and the working directory is not searched for modules.
 `fs-plugins launch --cfg X.yaml [--client_cfg C.yaml]` runs FederatedScope's distributed mode
-as local processes; `--role server|client --data_idx K --server_host H` starts one party of a
-multi-host federation (see fs_plugins.commands.launch); `--secure token|certificate` adds TLS and client
-authentication. `fs-plugins credentials --out DIR --clients N [--hosts H1,H2]` makes the CA,
-certificates, keys and client tokens for it (see fs_plugins.commands.credentials).
+as local processes, with TLS and token authentication unless `--secure none`;
+`--role server|client --data_idx K --server_host H` starts one party of a multi-host federation
+(see fs_plugins.commands.launch); `--secure token|certificate` adds TLS and client
+authentication there. `fs-plugins credentials --out DIR --clients N [--hosts H1,H2]` makes the
+CA, certificates, keys and client tokens for it (see fs_plugins.commands.credentials).
 
 With FederatedScope importable (and --runner auto or fs) the YAML runs through FS's own
 main.py; otherwise through the embedded runner, which says so in its first log line.
@@ -31,7 +34,7 @@ import os
 import runpy
 import sys
 
-from fs_plugins.commands.credentials import make_credentials, party_files
+from fs_plugins.commands.credentials import CredentialsError, make_credentials, party_files
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema.loading import read_yaml
 from fs_plugins.schema.precheck import precheck
@@ -123,8 +126,8 @@ def audit(args) -> int:
 
 
 def _config_error(exc) -> int:
-    print('fs-plugins: config error:\n' + '\n'.join(f'  {p}' for p in exc.problems),
-          file=sys.stderr)
+    """A ConfigError (a DataFileError among them), printed without a traceback."""
+    print(exc.report(), file=sys.stderr)
     return 2
 
 
@@ -140,19 +143,35 @@ def _write_jsonl(rows, path: str | None) -> None:
     print(f'fs-plugins: {len(rows)} answer(s) -> {path}', file=sys.stderr)
 
 
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def drop_working_dir_from_path() -> None:
+    """`python -m fs_plugins ...` puts the working directory first on sys.path: in a run folder
+    from elsewhere, a module there (even one named like a library imported later, peft.py)
+    would run. Commands that read such folders take it off; --import-module modules must then
+    be installed or on PYTHONPATH."""
+    started_as_module = os.path.abspath(sys.argv[0]).startswith(PACKAGE_DIR + os.sep)
+    if started_as_module and sys.path and os.path.abspath(sys.path[0] or os.curdir) == os.getcwd():
+        del sys.path[0]
+
+
 def use_trained(args) -> int:
     """predict / eval / export on a run's saved model; bad input ends in one line naming it."""
+    drop_working_dir_from_path()
     import json
 
     from fs_plugins.run import trained  # lazy: imports torch
     from fs_plugins.run.artifacts import ArtifactError  # lazy: imports torch
     logging.basicConfig(level=logging.WARNING)
+    modules = tuple(args.import_modules)
     try:
         if args.command == 'predict':
             _write_jsonl(trained.predict(args.run, args.input, args.client, args.batch_size,
-                                         args.max_new_tokens, args.device), args.output)
+                                         args.max_new_tokens, args.device, modules), args.output)
         elif args.command == 'eval':
-            metrics = trained.evaluate(args.run, args.data, args.client, args.batch_size, args.device)
+            metrics = trained.evaluate(args.run, args.data, args.client, args.batch_size,
+                                       args.device, modules)
             print(json.dumps(metrics, indent=2))
             if args.output:
                 with open(args.output, 'w', encoding='utf-8') as handle:
@@ -160,7 +179,8 @@ def use_trained(args) -> int:
         else:
             out = args.out or os.path.join(args.run, 'export', 'global' if args.client is None
                                            else f'client_{args.client}') + ('_merged' if args.merge else '')
-            print(f'fs-plugins: exported -> {trained.export(args.run, out, args.client, args.merge)}')
+            exported = trained.export(args.run, out, args.client, args.merge, modules)
+            print(f'fs-plugins: exported -> {exported}')
     except ConfigError as exc:
         return _config_error(exc)
     except (ArtifactError, FileNotFoundError, FileExistsError, ValueError) as exc:
@@ -174,6 +194,11 @@ def _trained_parser(sub, name: str, help: str):
     parser.add_argument('--run', required=True, help="a run's results directory")
     parser.add_argument('--client', type=int, default=None,
                         help="a client's personalised model (default: the global state)")
+    parser.add_argument('--import-module', dest='import_modules', action='append', default=[],
+                        metavar='MODULE',
+                        help="import MODULE first (repeatable): the run's fsplug.import_modules "
+                             "are imported only when given here, as a run folder may come from "
+                             "anyone")
     if name != 'export':
         parser.add_argument('--batch-size', type=int, default=None,
                             help='default: fsplug.eval.batch_size, else dataloader.batch_size')
@@ -202,12 +227,14 @@ def _launch_parser(sub) -> None:
                            help='local: stop every process after this many seconds')
     launching.add_argument('--resume', default=None, metavar='DIR')
     launching.add_argument('--overwrite', action='store_true')
-    launching.add_argument('--secure', choices=['token', 'certificate'], default=None,
+    launching.add_argument('--secure', choices=['token', 'certificate', 'none'], default=None,
                            help='TLS, and clients authenticated by token or certificate '
-                                '(fsplug.distribute.auth)')
+                                '(fsplug.distribute.auth); local default: token (none: '
+                                'plaintext, any local process can join)')
     launching.add_argument('--credentials', default=None, metavar='DIR',
                            help='with --secure: a folder made by `fs-plugins credentials` '
-                                '(local default: new ones in <results dir>/launch/credentials)')
+                                '(local default: new ones in a private temporary folder, '
+                                'removed when the launch ends)')
     launching.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
 
 
@@ -224,7 +251,11 @@ def _credentials_parser(sub) -> None:
 
 def credentials(args) -> int:
     hosts = [h.strip() for h in args.hosts.split(',') if h.strip()]
-    folder = make_credentials(args.out, range(1, args.clients + 1), hosts, args.days)
+    try:
+        folder = make_credentials(args.out, range(1, args.clients + 1), hosts, args.days)
+    except CredentialsError as exc:
+        print(f'fs-plugins credentials: {exc}', file=sys.stderr)
+        return 2
     print(f'fs-plugins credentials: written to {folder} (certificates for {", ".join(hosts)})\n'
           f'  every party: ca.pem; the server: {", ".join(party_files("server", "token")[1:])}; '
           f'client k: {", ".join(party_files("client_<k>", "token")[1:])}\n'
@@ -239,7 +270,8 @@ def launch(args) -> int:
         return 2
     switches = (['--resume', args.resume] if args.resume else []) + \
         (['--overwrite'] if args.overwrite else [])
-    if args.credentials and not args.secure:
+    secure = launch_security(args.secure, args.role)
+    if args.credentials and not secure:
         print('fs-plugins launch: --credentials needs --secure token|certificate', file=sys.stderr)
         return 2
     try:
@@ -251,14 +283,14 @@ def launch(args) -> int:
     try:
         if args.role == 'local':
             federation = LocalFederation(args.cfg, args.client_cfg, args.opts, switches,
-                                         run_dir=args.resume, secure=args.secure,
+                                         run_dir=args.resume, secure=secure,
                                          credentials=args.credentials)
             return federation.run(timeout=args.timeout)
-        if args.secure and not args.credentials:
+        if secure and not args.credentials:
             print('fs-plugins launch: --secure with --role server|client needs --credentials DIR '
                   '(fs-plugins credentials makes one)', file=sys.stderr)
             return 2
-        security = Security(args.secure, args.credentials) if args.secure else None
+        security = Security(secure, args.credentials) if secure else None
         server = Address(args.server_host, args.server_port)
         if args.role == 'server':
             own = Address(args.host or args.server_host, args.port or args.server_port)
@@ -268,6 +300,19 @@ def launch(args) -> int:
                           args.opts, switches, security)
     except ConfigError as exc:
         return _config_error(exc)
+    except CredentialsError as exc:
+        print(f'fs-plugins launch: {exc}' + (' (a local launch uses TLS and tokens unless '
+                                             '--secure none)' if args.role == 'local' else ''),
+              file=sys.stderr)
+        return 2
+
+
+def launch_security(secure: str | None, role: str) -> str | None:
+    """The auth of `--secure` ('none': None); a local federation defaults to token auth, as
+    any process of the machine can reach its loopback ports."""
+    if secure is None:
+        return 'token' if role == 'local' else None
+    return None if secure == 'none' else secure
 
 
 def main(argv: list[str] | None = None) -> int:

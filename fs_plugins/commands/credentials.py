@@ -1,7 +1,11 @@
 """`fs-plugins credentials`: a CA, one certificate and key per party, and client tokens for
 FS distributed mode with `fsplug.distribute.tls_*` and `auth` (fs_plugins.fs.secure).
 
-Files in the output folder (keys and tokens readable by the owner only):
+Every file is written owner-only (0600) into an owner-only folder (0700), created without
+following a symbolic link; an existing folder or file that others can read, a symbolic link,
+or one of another user is refused naming it, never reused or followed.
+
+Files in the output folder:
 - ca.pem: every party's `tls_ca`; ca.key signs more certificates and stays with whoever
   runs the federation;
 - server.pem / server.key and client_<k>.pem / client_<k>.key: each party's `tls_cert` /
@@ -12,12 +16,18 @@ What each party needs on disk is `party_files` of its name.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
 import secrets
+import stat
 
 CA_NAME = 'fs-plugins federation CA'
+
+
+class CredentialsError(RuntimeError):
+    """Credentials that cannot be written safely (or without 'cryptography'): names the path."""
 
 
 def _key():
@@ -62,9 +72,38 @@ def issue_certificate(common_name: str, hosts, ca_key=None, ca_cert=None, days: 
     return key, builder.sign(key if is_ca else ca_key, hashes.SHA256())
 
 
-def _write(path: str, data: bytes, private: bool = False) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, 'wb') as handle:
+def _refuse_unsafe(path: str, st: os.stat_result, kind: str, is_kind) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise CredentialsError(f'{path} is a symbolic link: refused (credentials are never '
+                               f'written through a link)')
+    if not is_kind(st.st_mode):
+        raise CredentialsError(f'{path} exists and is not a {kind}')
+    if st.st_uid != os.getuid():
+        raise CredentialsError(f'{path} belongs to another user: refused')
+    if st.st_mode & 0o077:
+        raise CredentialsError(f'{path} has mode {stat.S_IMODE(st.st_mode):04o}: others may have '
+                               f'read it; refused (remove it, or choose a new folder)')
+
+
+def private_folder(path: str) -> str:
+    """`path` as an owner-only folder: created 0700, or an existing one checked."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    _refuse_unsafe(path, os.lstat(path), 'folder', stat.S_ISDIR)
+    return path
+
+
+def _write(path: str, data: bytes) -> None:
+    """Writes `path` 0600, never through a link: an existing file is replaced only when it is
+    a plain owner-only file of this user (inside a folder `private_folder` checked)."""
+    try:
+        _refuse_unsafe(path, os.lstat(path), 'file', stat.S_ISREG)
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, 'O_CLOEXEC', 0)
+    with os.fdopen(os.open(path, flags, 0o600), 'wb') as handle:
         handle.write(data)
 
 
@@ -77,27 +116,28 @@ def _pem(key=None, cert=None) -> bytes:
 
 
 def make_credentials(out_dir: str, client_ids, hosts=('127.0.0.1', 'localhost'),
-                     days: int = 365) -> str:
-    """Writes the CA, every party's certificate and key, and the client tokens to `out_dir`."""
+                     days: int = 365, keep_ca_key: bool = True) -> str:
+    """Writes the CA, every party's certificate and key, and the client tokens to `out_dir`.
+    keep_ca_key=False: ca.key is not written (nothing can sign more certificates later)."""
     try:
         import cryptography  # noqa: F401
     except ImportError:
-        raise RuntimeError("fs-plugins credentials needs the 'cryptography' package "
-                           '(pip install cryptography)') from None
+        raise CredentialsError("fs-plugins credentials needs the 'cryptography' package "
+                               '(pip install cryptography)') from None
     import yaml
-    os.makedirs(out_dir, exist_ok=True)
+    private_folder(out_dir)
     ca_key, ca_cert = issue_certificate(CA_NAME, hosts, days=days)
     _write(os.path.join(out_dir, 'ca.pem'), _pem(cert=ca_cert))
-    _write(os.path.join(out_dir, 'ca.key'), _pem(key=ca_key), private=True)
+    if keep_ca_key:
+        _write(os.path.join(out_dir, 'ca.key'), _pem(key=ca_key))
     for name in ['server'] + [f'client_{k}' for k in client_ids]:
         key, cert = issue_certificate(name, hosts, ca_key, ca_cert, days)
         _write(os.path.join(out_dir, name + '.pem'), _pem(cert=cert))
-        _write(os.path.join(out_dir, name + '.key'), _pem(key=key), private=True)
+        _write(os.path.join(out_dir, name + '.key'), _pem(key=key))
     tokens = {int(k): secrets.token_urlsafe(32) for k in client_ids}
-    _write(os.path.join(out_dir, 'client_tokens.yaml'),
-           yaml.safe_dump(tokens).encode(), private=True)
+    _write(os.path.join(out_dir, 'client_tokens.yaml'), yaml.safe_dump(tokens).encode())
     for k, token in tokens.items():
-        _write(os.path.join(out_dir, f'client_{k}.token'), token.encode(), private=True)
+        _write(os.path.join(out_dir, f'client_{k}.token'), token.encode())
     return out_dir
 
 

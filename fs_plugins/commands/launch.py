@@ -14,17 +14,23 @@ One party (multi-host): `fs-plugins launch --role server|client --data_idx K --s
 ...` derives that party's YAML the same way and runs it in the foreground.
 
 `--secure token|certificate` adds TLS and client authentication (fs_plugins.fs.secure) with
-the credentials of a folder made by `fs-plugins credentials` (`--credentials DIR`); a local
-federation makes its own in <results dir>/launch/credentials when none is given.
+the credentials of a folder made by `fs-plugins credentials` (`--credentials DIR`). A local
+federation launched from the command line is secured with tokens unless `--secure none` (its
+loopback ports are open to every process of the machine); without `--credentials` it makes its
+own in a private temporary folder outside the results directory, without keeping the CA key,
+and removes them when the launcher exits.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -163,11 +169,7 @@ class LocalFederation:
             write_party_config(party, base, server, self.run_dir, client_cfgs, self.security)
 
     def _make_credentials(self, client_ids, host: str) -> str:
-        """A fresh CA and party credentials for this local run (kept when it is resumed)."""
-        folder = os.path.join(self.run_dir, LAUNCH_DIR, 'credentials')
-        if os.path.isfile(os.path.join(folder, 'ca.pem')):
-            return folder
-        return make_credentials(folder, client_ids, hosts=sorted({host, '127.0.0.1'}))
+        return local_credentials(client_ids, sorted({host, '127.0.0.1'}))
 
     # -------------------------------------------------------------- processes
     def start(self, party: Party, switches: list[str] | None = None,
@@ -220,6 +222,10 @@ class LocalFederation:
         print(f'fs-plugins launch: {len(self.parties) - 1} clients and a server on '
               f'{self.parties[0].address.host}; logs in {os.path.join(self.run_dir, LAUNCH_DIR)}',
               file=self.out, flush=True)
+        if self.security is None:
+            print('fs-plugins launch: warning: no TLS and no client authentication: any process '
+                  'of this machine can join the federation or read its messages '
+                  '(--secure token secures it)', file=self.out, flush=True)
         try:
             self.start(self.parties[0])
             self.wait_listening(self.parties[0], listen_timeout)
@@ -263,6 +269,16 @@ class LocalFederation:
         server = 'running' if self.parties[0] in running else 'done'
         return (f'fs-plugins launch: round {current}/{self.total_rounds} | server {server} | '
                 f'{clients}/{len(self.parties) - 1} clients running')
+
+
+def local_credentials(client_ids, hosts) -> str:
+    """Credentials for one local launch, in a fresh owner-only temporary folder outside the
+    results directory (which may be shared): no CA key is kept, so no other certificate can
+    be issued, and the folder goes when this process exits (a resumed launch makes new ones:
+    fsplug.distribute may differ on resume)."""
+    folder = tempfile.mkdtemp(prefix='fs-plugins-credentials-')
+    atexit.register(shutil.rmtree, folder, True)
+    return make_credentials(folder, client_ids, hosts=hosts, keep_ca_key=False)
 
 
 class LaunchError(RuntimeError):

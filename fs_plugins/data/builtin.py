@@ -80,11 +80,15 @@ def builtin_records(name: str, root: str) -> list[dict]:
     return make(root=root) if 'root' in inspect.signature(make).parameters else make()
 
 
+def builtin_path(name: str, root: str) -> str:
+    return os.path.join(root, f'{name}.jsonl')
+
+
 def ensure_builtin(name: str, root: str) -> str | None:
     """Writes builtin dataset `name` as <root>/<name>.jsonl if missing; None if not builtin."""
     if name not in BUILTIN_DATASETS:
         return None
-    path = os.path.join(root, f'{name}.jsonl')
+    path = builtin_path(name, root)
     if not os.path.isfile(path):
         write_jsonl(path, builtin_records(name, root))
     return path

@@ -4,16 +4,17 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.errors import ConfigError, DataFileError
 from fs_plugins.core.seeding import derive_seed
 from fs_plugins.data import fs_llm, glue, splitters, stream
-from fs_plugins.data.builtin import ensure_builtin
+from fs_plugins.data.builtin import BUILTIN_DATASETS, builtin_path, ensure_builtin
 from fs_plugins.data.instruction import load_records
+from fs_plugins.data.record_files import FileRecords
 from fs_plugins.schema.specs import DataSource, SplitSpec
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,31 @@ logger = logging.getLogger(__name__)
 
 class RecordList(list, torch.utils.data.Dataset):
     """Raw records of one split (tokenised by each client with its own tokenizer); a torch
-    Dataset so that FS's trainer accepts it."""
+    Dataset so that FS's trainer accepts it. `origin`: the data file (or folder) they come
+    from, and `places`: each record's place in it ('line 3'; None where unknown), for errors
+    about them."""
+
+    def __init__(self, records=(), origin: str = '', places: list[str | None] | None = None):
+        super().__init__(records)
+        self.origin = origin
+        self.places = places if places is not None else [None] * len(self)
+
+    def describe(self, index: int) -> str:
+        """Where record `index` comes from, e.g. 'line 3 of data/qa.jsonl'."""
+        record, place = self[index], self.places[index] if index < len(self.places) else None
+        name = place or (f"record {record['id']}" if isinstance(record, dict) and 'id' in record
+                         else f'record {index} of the split')
+        return f'{name} of {self.origin}' if self.origin else name
+
+
+def nothing_fits_error(client_id: int, train: list, tok_len: int) -> DataFileError:
+    """A client none of whose training records leaves an answer token within llm.tok_len
+    (its prompts fill it): the error naming its data file and a record."""
+    example = train.describe(0) if isinstance(train, RecordList) and train else 'its data'
+    return DataFileError(f'Client {client_id}: none of its {len(train)} training record(s) '
+                         f'leaves an answer token within llm.tok_len = {tok_len} tokens (e.g. '
+                         f'{example}: its prompt alone fills them): raise llm.tok_len, or '
+                         'shorten the prompts')
 
 
 @dataclass
@@ -35,12 +60,19 @@ class FederatedRecords:
         return len(self.clients)
 
 
-def resolve_data_path(source: DataSource) -> str:
+def data_path(source: DataSource) -> str:
+    """Where the records of a record file or builtin dataset are (nothing written)."""
     name, root = source.name, source.root
-    builtin = ensure_builtin(name, root)
+    if name in BUILTIN_DATASETS:
+        return builtin_path(name, root)
+    return name if os.path.isabs(name) else os.path.join(root, name)
+
+
+def resolve_data_path(source: DataSource) -> str:
+    builtin = ensure_builtin(source.name, source.root)
     if builtin:
         return builtin
-    path = name if os.path.isabs(name) else os.path.join(root, name)
+    path, root = data_path(source), source.root
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Data file not found: {path} (from data.root = '{root}' and "
                                 f"data.type = '{source.type_value}')")
@@ -82,17 +114,22 @@ def _train_val_test(indices: list[int], test_fraction: float, val_fraction: floa
 SPLIT_NAMES = {'train': 'train', 'test': 'test', 'val': 'val', 'validation': 'val'}
 
 
-def _split_from_records(records: list[dict], indices: list[int], client_id: int):
+def _split_from_records(records: list[dict], indices: list[int], client_id: int, origin: str):
     """Train / val / test as the records' own "split" field says
     (fsplug.data.split_from_records)."""
     parts = {'train': [], 'val': [], 'test': []}
     for i in indices:
         split = records[i].get('split')
         if split not in SPLIT_NAMES:
-            raise ValueError(f"fsplug.data.split_from_records is on, but record "
-                             f"{records[i].get('id', i)} (client {client_id}) has split = "
-                             f"{split!r}; expected one of {sorted(SPLIT_NAMES)}")
+            raise DataFileError(f"fsplug.data.split_from_records is on, but record "
+                                f"{records[i].get('id', i)} (client {client_id}) of {origin} has "
+                                f"split = {split!r}: give it one of {sorted(SPLIT_NAMES)}, or "
+                                "turn fsplug.data.split_from_records off")
         parts[SPLIT_NAMES[split]].append(i)
+    if not parts['train']:
+        raise DataFileError(f"Client {client_id}'s records in {origin} have no split = 'train' "
+                            '(fsplug.data.split_from_records is on): mark some of them train, '
+                            'or turn fsplug.data.split_from_records off')
     return parts
 
 
@@ -101,6 +138,8 @@ class LoadedRecords:
     records: list[dict]          # those the clients are split from (fsplug.data.select)
     from_records: bool           # whether their own 'split' field gives train / val / test
     left_out: list[dict]         # the file's records that `select` left out
+    origin: str = ''             # the data file (or folder) they come from
+    places: dict[int, str] = field(default_factory=dict)   # id(record) -> 'line 3'
 
 
 def load_data_records(spec: SplitSpec) -> LoadedRecords:
@@ -112,7 +151,8 @@ def load_data_records(spec: SplitSpec) -> LoadedRecords:
     glue_source = None if spec.source.is_fs_llm else glue.parse_data_type(spec.source.name,
                                                                           spec.source.root)
     if glue_source is not None:
-        return LoadedRecords(glue.load_glue(glue_source, data_cfg.max_records), True, [])
+        return LoadedRecords(glue.load_glue(glue_source, data_cfg.max_records), True, [],
+                             glue_source.folder)
     everything = source_records(spec.source, data_cfg.fields, spec.splitter, spec.seed,
                                 data_cfg.split_field)
     records = select_records(everything, data_cfg.split_field, list(data_cfg.select))
@@ -120,7 +160,34 @@ def load_data_records(spec: SplitSpec) -> LoadedRecords:
     left_out = [r for r in everything if id(r) not in kept]
     if data_cfg.max_records:
         records = records[:data_cfg.max_records]
-    return LoadedRecords(records, data_cfg.split_from_records, left_out)
+    return LoadedRecords(records, data_cfg.split_from_records, left_out,
+                         data_origin(spec.source), record_places(everything))
+
+
+def record_places(records: list[dict]) -> dict[int, str]:
+    """id(record) -> its place in its file ('line 3'), for records read from one file."""
+    if not isinstance(records, FileRecords):
+        return {}
+    return {id(record): records.position(i) for i, record in enumerate(records)}
+
+
+def data_origin(source: DataSource) -> str:
+    """The file (or folder) a source's records come from, for errors."""
+    return fs_llm.source_path(source) if source.is_fs_llm else data_path(source)
+
+
+def check_enough_records(loaded: LoadedRecords, spec: SplitSpec) -> None:
+    """At least one record per client (federate.client_num)."""
+    count, clients = len(loaded.records), spec.client_num
+    if count >= clients:
+        return
+    options = spec.options
+    narrowed = ' (after fsplug.data.select / fsplug.data.max_records)' \
+        if options.select or options.max_records else ''
+    where = 'Data file' if os.path.isfile(loaded.origin) else 'Data in'
+    raise DataFileError(f'{where} {loaded.origin} gives {count} record(s){narrowed} for '
+                        f'federate.client_num = {clients} clients: lower federate.client_num '
+                        f'to at most {count}, or add records')
 
 
 def select_records(records: list[dict], field: str, values: list[str]) -> list[dict]:
@@ -138,7 +205,8 @@ def select_records(records: list[dict], field: str, values: list[str]) -> list[d
 def split_records(spec: SplitSpec) -> FederatedRecords:
     data_cfg = spec.options
     loaded = load_data_records(spec)
-    records, from_records = loaded.records, loaded.from_records
+    check_enough_records(loaded, spec)
+    records, from_records, origin = loaded.records, loaded.from_records, loaded.origin
     parts = splitters.split(spec.splitter, records, spec.client_num,
                             derive_seed(spec.seed, 'split'), field=data_cfg.split_field,
                             alpha=data_cfg.dirichlet_alpha, min_size=data_cfg.min_client_size)
@@ -147,23 +215,26 @@ def split_records(spec: SplitSpec) -> FederatedRecords:
     clients, client_names = {}, {}
     for cid, indices in enumerate(parts, start=1):
         if not indices:
-            raise ValueError(f"Client {cid} received no records from the "
-                             f"'{spec.splitter}' split; use fewer clients")
+            raise DataFileError(f"Client {cid} received no records of {origin} from the "
+                                f"'{spec.splitter}' split (data.splitter): lower "
+                                'federate.client_num, or add records')
         if from_records:
-            split = _split_from_records(records, indices, cid)
+            split = _split_from_records(records, indices, cid, origin)
         else:
             split = _train_val_test(indices, data_cfg.test_fraction, data_cfg.val_fraction,
                                     spec.seed, cid)
         parts = {name: [records[i] for i in part] for name, part in split.items()}
+        places = {name: [loaded.places.get(id(r)) for r in part] for name, part in parts.items()}
         if data_cfg.task_field:
-            parts = stream.annotate(parts, data_cfg.task_field, data_cfg.task_order, cid)
-        clients[cid] = {name: RecordList(part) for name, part in parts.items()
-                        if part or name != 'val'}
+            parts = stream.annotate(parts, data_cfg.task_field, data_cfg.task_order, cid,
+                                    origin)
+        clients[cid] = {name: RecordList(part, origin, places[name])
+                        for name, part in parts.items() if part or name != 'val'}
         client_names[cid] = names[cid - 1]
     if data_cfg.test_records == 'all':
-        pool_test_records(clients, _test_records_of(loaded.left_out, from_records))
+        pool_test_records(clients, _test_records_of(loaded.left_out, from_records), origin)
     if data_cfg.evaluate_others:
-        add_others_split(clients)
+        add_others_split(clients, origin)
     if data_cfg.dynamic:
         check_rounds_cover_tasks(clients, spec.total_rounds)
     logger.info('fsplug data: ' + ', '.join(
@@ -180,24 +251,26 @@ def _test_records_of(left_out: list[dict], from_records: bool) -> list[dict]:
     return [r for r in left_out if SPLIT_NAMES.get(r.get('split')) == 'test']
 
 
-def pool_test_records(clients: dict[int, dict], extra: list[dict]) -> None:
+def pool_test_records(clients: dict[int, dict], extra: list[dict], origin: str = '') -> None:
     """fsplug.data.test_records = 'all': every client's test split becomes the test records
     of every client plus `extra` (one shared list, in client order)."""
-    pooled = RecordList([r for cid in sorted(clients) for r in clients[cid]['test']] + extra)
+    pooled = RecordList([r for cid in sorted(clients) for r in clients[cid]['test']] + extra,
+                        origin)
     for splits in clients.values():
         splits['test'] = pooled
 
 
-def add_others_split(clients: dict[int, dict]) -> None:
+def add_others_split(clients: dict[int, dict], origin: str = '') -> None:
     """Each client's 'others' split: every other client's test records (FedMosaic's 'Others')."""
     for cid, splits in clients.items():
         splits['others'] = RecordList(
-            {stream.OWNER: other, **r} if stream.OWNER not in r else r
-            for other, theirs in clients.items() if other != cid for r in theirs['test'])
+            ({stream.OWNER: other, **r} if stream.OWNER not in r else r
+             for other, theirs in clients.items() if other != cid for r in theirs['test']),
+            origin)
 
 
 def check_rounds_cover_tasks(clients: dict[int, dict], total_rounds: int) -> None:
     most = max(len({r[stream.TASK_RANK] for r in s['train']}) for s in clients.values())
     if total_rounds < most:
-        raise ValueError(f'fsplug.data.dynamic: federate.total_round_num = {total_rounds} is '
+        raise ConfigError(f'fsplug.data.dynamic: federate.total_round_num = {total_rounds} is '
                          f'fewer than the {most} tasks of a client; every task needs a round')

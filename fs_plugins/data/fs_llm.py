@@ -12,10 +12,8 @@ This module gives the plugin the same records (prompted with the `fs_llm` templa
 """
 from __future__ import annotations
 
-import gzip
 import http.client
 import importlib
-import json
 import logging
 import os
 import random
@@ -24,9 +22,11 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.errors import ConfigError, DataFileError
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.data.instruction import check_field_names, mapped_value
+from fs_plugins.data.instruction import INSTRUCTION_FIELDS, check_field_names, mapped_value
+from fs_plugins.data.record_files import FileRecords, check_text_fields, empty_file_error, is_json_lines
+from fs_plugins.data.record_files import read_record_file as read_objects
 from fs_plugins.schema.plugin import RECORD_FIELDS
 from fs_plugins.schema.specs import DataSource
 
@@ -133,48 +133,55 @@ def fs_llm_record(item: Mapping, fields: Mapping[str, str]) -> dict:
     return {own: item.get(theirs) for own, theirs in fields.items()}
 
 
-def file_items(path: str, is_gzip: bool = False) -> list:
-    """The objects of a .json file (a list) or of a .jsonl(.gz) file (one per line)."""
-    try:
-        if path.endswith('.json'):
-            with open(path, encoding='utf-8') as handle:
-                return json.load(handle)
-        with (gzip.open if is_gzip else open)(path, 'rb') as handle:
-            return [json.loads(line) for line in handle]
-    except json.JSONDecodeError as exc:
-        raise ValueError(f'Data file {path} is not valid JSON / JSON lines: {exc}') from None
+def file_items(path: str) -> FileRecords:
+    """The objects of a .json file (a list) or of a .jsonl(.gz) file (one per line, no blank
+    line: FS-LLM's reading)."""
+    return read_objects(path, blank_lines_ok=False)
 
 
-def read_fs_llm_file(path: str, fields: Mapping[str, str], is_gzip: bool = False) -> list[dict]:
+def read_fs_llm_file(path: str, fields: Mapping[str, str]) -> FileRecords:
     """FS-LLM's `load_json` / `load_jsonl` of `path`, each record read through `fields`."""
-    return [fs_llm_record(item, fields) for item in file_items(path, is_gzip)]
+    items = file_items(path)
+    return items.with_records(fs_llm_record(item, fields) for item in items)
 
 
-def fs_llm_read(path: str, fields: Mapping[str, str], is_gzip: bool = False) -> list[dict]:
+def fs_llm_read(path: str, fields: Mapping[str, str], is_gzip: bool = False) -> FileRecords:
     """The same, by FS-LLM's own reader where FederatedScope is installed."""
     reader = 'load_json' if path.endswith('.json') else 'load_jsonl'
     fs_reader = fs_function('federatedscope.llm.dataloader.dataloader', reader)
     if fs_reader is None:
-        return read_fs_llm_file(path, fields, is_gzip)
+        return read_fs_llm_file(path, fields)
     try:
-        return fs_reader(path, **fields, **({'is_gzip': True} if is_gzip else {}))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f'Data file {path} is not valid JSON / JSON lines: {exc}') from None
+        records = fs_reader(path, **fields, **({'is_gzip': True} if is_gzip else {}))
+    except Exception as exc:   # any fault of the file: the plugin's reader names its line
+        file_items(path)
+        raise DataFileError(f"Data file {path}: FS-LLM's {reader} cannot read it "
+                            f'({type(exc).__name__}: {exc})') from None
+    if not records:
+        raise empty_file_error(path)
+    # FS-LLM's reading has no blank lines: record i is on line i + 1
+    return FileRecords(records, path, list(range(1, len(records) + 1))
+                       if is_json_lines(path) else None)
 
 
-def read_record_file(path: str, renamed: Mapping[str, str]) -> list[dict]:
-    """'<file>.json@llm' / '<file>.jsonl@llm': FS-LLM's reading, with fsplug.data.fields."""
+def read_record_file(path: str, renamed: Mapping[str, str]) -> FileRecords:
+    """'<file>.json@llm' / '<file>.jsonl@llm': FS-LLM's reading, with fsplug.data.fields;
+    every record needs an instruction and an output (strings), which FS-LLM would otherwise
+    train on as the text 'None'."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f'Data file not found: {path}')
     if not renamed:
-        return fs_llm_read(path, fs_llm_fields({}))
-    check_field_names(renamed)
-    # FS-LLM's readers turn a missing field into None; a field the user mapped must be there
-    items = file_items(path)
-    for i, item in enumerate(items):
-        for own, theirs in renamed.items():
-            mapped_value(item, i, own, theirs, path)
-    return [fs_llm_record(item, fs_llm_fields(renamed)) for item in items]
+        records = fs_llm_read(path, fs_llm_fields({}))
+    else:
+        check_field_names(renamed)
+        # FS-LLM's readers turn a missing field into None; a field the user mapped must be there
+        items = file_items(path)
+        for i in range(len(items)):
+            for own, theirs in renamed.items():
+                mapped_value(items, i, own, theirs)
+        records = items.with_records(fs_llm_record(item, fs_llm_fields(renamed)) for item in items)
+    check_text_fields(records, INSTRUCTION_FIELDS, ('input',))
+    return records
 
 
 # ---------------------------------------------------------------------------- download
@@ -251,6 +258,16 @@ def load_code_search_net(source: DataSource, seed: int) -> list[dict]:
     for record in records:
         record['instruction'] = f"{record['category']} {record['instruction']}"
     return records
+
+
+def source_path(source: DataSource) -> str:
+    """The file FS-LLM reads a source's records from (code_search_net: its folder), for errors."""
+    key = source.name.lower()
+    if key == CODE_SEARCH_NET:
+        return source.root
+    if key in NAMED_DATASETS:
+        return os.path.join(source.root, NAMED_DATASETS[key].file)
+    return os.path.join(source.root, source.name)
 
 
 def load_fs_llm_records(source: DataSource, fields: Mapping[str, str] | None = None,

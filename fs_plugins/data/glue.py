@@ -21,14 +21,15 @@ Hugging Face's `glue` uses), `split` (`train` / `test`) and `id`.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.data.instruction import read_record_file
+from fs_plugins.core.errors import ConfigError, DataFileError
+from fs_plugins.data.record_files import decoded_text, file_bytes, read_record_file
 from fs_plugins.schema.specs import DataSource
 
 logger = logging.getLogger(__name__)
@@ -157,22 +158,30 @@ def read_split(source: GlueSource, split: str) -> tuple[list[dict], str]:
                             f"save_to_disk folder ({HF_DATASET_DICT})")
 
 
+def _text_lines(path: str) -> io.StringIO:
+    """The file's UTF-8 text, to read line by line (csv's newline handling)."""
+    return io.StringIO(decoded_text(file_bytes(path), path), newline='')
+
+
 def _read_tsv(path: str) -> list[dict]:
     """GLUE's TSV layout: a header line, tab-separated fields, no quoting. Lines with fewer
     fields than the header are skipped with a warning, as transformers' GLUE reader does
     for QQP."""
     csv.field_size_limit(1 << 24)
-    with open(path, encoding='utf-8', newline='') as handle:
-        reader = csv.reader(handle, delimiter='\t', quoting=csv.QUOTE_NONE)
+    reader = csv.reader(_text_lines(path), delimiter='\t', quoting=csv.QUOTE_NONE)
+    try:
         header = next(reader, None)
         if header is None:
-            raise ValueError(f"{path}: empty file (GLUE's TSV layout starts with a header line)")
+            raise DataFileError(f"Data file {path} is empty: GLUE's TSV layout starts with a "
+                                'header line naming the columns')
         rows, short = [], []
         for line_no, fields in enumerate(reader, start=2):
             if len(fields) < len(header):
                 short.append(line_no)
                 continue
             rows.append(dict(zip(header, fields)))
+    except csv.Error as exc:
+        raise DataFileError(f'Data file {path}, line {reader.line_num}: {exc}') from None
     if short:
         logger.warning(f"{path}: skipped {len(short)} line(s) with fewer fields than the "
                        f"header (first: line {short[0]})")
@@ -180,8 +189,11 @@ def _read_tsv(path: str) -> list[dict]:
 
 
 def _read_csv(path: str) -> list[dict]:
-    with open(path, encoding='utf-8', newline='') as handle:
-        return list(csv.DictReader(handle))
+    reader = csv.DictReader(_text_lines(path))
+    try:
+        return list(reader)
+    except csv.Error as exc:
+        raise DataFileError(f'Data file {path}, line {reader.line_num}: {exc}') from None
 
 
 def _read_json(path: str) -> list[dict]:
@@ -189,8 +201,13 @@ def _read_json(path: str) -> list[dict]:
 
 
 def _read_parquet(path: str) -> list[dict]:
+    import pyarrow
     import pyarrow.parquet as pq
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as exc:
+        raise DataFileError(f'Data file {path}: not a readable Parquet file ({exc}); replace '
+                            'it, or give the split as .tsv / .jsonl / .json / .csv') from None
 
 
 READERS = {'.tsv': _read_tsv, '.csv': _read_csv, '.jsonl': _read_json, '.json': _read_json,
@@ -213,24 +230,33 @@ def find_column(columns, accepted: tuple[str, ...], what: str, where: str) -> st
     for name in accepted:
         if name in columns:
             return name
-    raise ValueError(f"{where}: no column {' or '.join(repr(a) for a in accepted)} ({what}); "
-                     f"its columns: {', '.join(map(str, columns))}")
+    raise DataFileError(f"{where}: no column {' or '.join(repr(a) for a in accepted)} ({what}); "
+                        f"its columns: {', '.join(map(str, columns))}: rename the column")
 
 
 def normalise(rows: list[dict], source: GlueSource, split: str, where: str) -> list[dict]:
     """GLUE rows -> records {sentence | sentence1, sentence2, label (id), split, id}."""
     if not rows:
-        raise ValueError(f"{where}: no records")
+        raise DataFileError(f'{where}: no records; add them, or point data.type at another '
+                            'folder')
     task, columns = source.task, list(rows[0])
     text = [find_column(columns, accepted, f"{source.name}'s {field}", where)
             for accepted, field in zip(task.text, task.text_fields)]
     label = find_column(columns, task.label, f"{source.name}'s label", where)
     records = []
     for i, row in enumerate(rows):
-        record = {field: str(row[column]) for field, column in zip(task.text_fields, text)}
-        record['label'] = label_id(row[label], task.labels, f'{where}, record {i}')
+        place = f'{where}, record {i}'
+        record = {field: str(_value(row, column, place))
+                  for field, column in zip(task.text_fields, text)}
+        record['label'] = label_id(_value(row, label, place), task.labels, place)
         records.append({**record, 'split': split, 'id': f'{source.name}-{split}-{i}'})
     return records
+
+
+def _value(row: dict, column: str, place: str):
+    if column not in row:
+        raise DataFileError(f"{place}: no field '{column}' (the first record has it): add it")
+    return row[column]
 
 
 def label_id(value, labels: tuple[str, ...], where: str) -> int:
@@ -245,8 +271,8 @@ def label_id(value, labels: tuple[str, ...], where: str) -> int:
         number = None
     if isinstance(value, bool) or number is None or not number.is_integer() \
             or not 0 <= number < len(labels):
-        raise ValueError(f"{where}: label {value!r} is neither one of {list(labels)} nor an id "
-                         f"0..{len(labels) - 1}")
+        raise DataFileError(f"{where}: label {value!r} is neither one of {list(labels)} nor an "
+                            f"id 0..{len(labels) - 1}: correct the record's label")
     return int(number)
 
 

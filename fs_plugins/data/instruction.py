@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Mapping
 
@@ -10,9 +9,11 @@ import torch
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.data.multimodal import is_multimodal, resolve_images
+from fs_plugins.data.record_files import FileRecords, check_text_fields, read_record_file
 from fs_plugins.schema.plugin import RECORD_FIELDS
 
 IGNORE_INDEX = -100
+INSTRUCTION_FIELDS = ('instruction', 'output')   # every instruction record has them, as strings
 # prompt templates of instruction records (fsplug.data.prompt)
 
 # The Alpaca template (with and without input), as FS-LLM and the papers use it.
@@ -41,29 +42,13 @@ def fs_llm_templates() -> tuple[str, str]:
     return PROMPT_DICT['prompt_input'], PROMPT_DICT['prompt_no_input']
 
 
-def read_record_file(path: str) -> list:
-    """The records of a .jsonl (one object per line) or .json (a list) file, unchecked."""
-    with open(path, encoding='utf-8') as handle:
-        try:
-            if path.endswith('.jsonl'):
-                records = [json.loads(line) for line in handle if line.strip()]
-            elif path.endswith('.json'):
-                records = json.load(handle)
-            else:
-                raise ValueError(f"Data file {path} must end in .json or .jsonl")
-        except json.JSONDecodeError as exc:
-            raise ValueError(f'Data file {path} is not valid JSON / JSON lines: {exc}') from None
-    if not isinstance(records, list):
-        raise ValueError(f"Data file {path} must hold a list of records")
-    return records
-
-
-def mapped_value(record, index: int, own_field: str, file_field: str, path: str):
-    """The value of `file_field`, read as the record's `own_field` (fsplug.data.fields)."""
-    if not isinstance(record, dict) or file_field not in record:
-        raise ValueError(f"Record {index} of {path} lacks field '{file_field}' (read as "
-                         f"'{own_field}' through fsplug.data.fields)")
-    return record[file_field]
+def mapped_value(records: FileRecords, index: int, own_field: str, file_field: str):
+    """The value of record `index`'s `file_field`, read as its `own_field` (fsplug.data.fields)."""
+    if file_field not in records[index]:
+        raise records.error(index, f"lacks field '{file_field}'",
+                            f"fsplug.data.fields reads it as '{own_field}': add it to the "
+                            'record, or change that entry of fsplug.data.fields')
+    return records[index][file_field]
 
 
 def check_field_names(fields: Mapping[str, str]) -> None:
@@ -74,7 +59,7 @@ def check_field_names(fields: Mapping[str, str]) -> None:
                           "file's names for them")
 
 
-def rename_fields(records: list, fields: Mapping[str, str], path: str) -> list:
+def rename_fields(records: FileRecords, fields: Mapping[str, str]) -> FileRecords:
     """fsplug.data.fields: each record with `own: record[file]` added for every entry (all
     read before any is written, so fields may swap); its other fields are kept."""
     if not fields:
@@ -82,25 +67,23 @@ def rename_fields(records: list, fields: Mapping[str, str], path: str) -> list:
     check_field_names(fields)
     renamed = []
     for i, rec in enumerate(records):
-        values = {own: mapped_value(rec, i, own, theirs, path) for own, theirs in fields.items()}
+        values = {own: mapped_value(records, i, own, theirs) for own, theirs in fields.items()}
         renamed.append({**rec, **values})
-    return renamed
+    return records.with_records(renamed)
 
 
 def load_records(path: str, fields: Mapping[str, str] | None = None) -> list[dict]:
     """Reads a .json (list of objects) or .jsonl file of instruction records (at least
-    `instruction` and `output`, under the names `fields` maps them from; `input`, `category`
-    and any other fields are kept) or of multimodal records (`fs_plugins.data.multimodal`,
-    image paths made absolute)."""
+    `instruction` and `output`, strings, under the names `fields` maps them from; `input`, a
+    string or null, `category` and any other fields are kept) or of multimodal records
+    (`fs_plugins.data.multimodal`, image paths made absolute). A problem with the file is a
+    DataFileError naming it, the line or record and what to change."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Data file not found: {path}")
-    records = rename_fields(read_record_file(path), fields or {}, path)
-    if records and is_multimodal(records[0]):
-        return resolve_images(records, path)
-    for i, rec in enumerate(records):
-        missing = [k for k in ('instruction', 'output') if not isinstance(rec, dict) or k not in rec]
-        if missing:
-            raise ValueError(f"Record {i} of {path} lacks field(s) {missing}")
+    records = rename_fields(read_record_file(path), fields or {})
+    if is_multimodal(records[0]):
+        return records.with_records(resolve_images(records))
+    check_text_fields(records, INSTRUCTION_FIELDS, ('input',))
     return records
 
 

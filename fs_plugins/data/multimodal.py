@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 
+from fs_plugins.data.record_files import FileRecords, is_json_lines, short
+
 REQUIRED_FIELDS = ('question', 'answer')
 # record fields holding media file paths, and the word used for them in errors
 MEDIA_FIELDS = {'image': 'Image', 'audio': 'Audio'}
@@ -34,22 +36,45 @@ def image_paths(record: dict) -> list[str]:
     return media_paths(record, 'image')
 
 
-def _record_name(record: dict, index: int, path: str) -> str:
-    return f"record {record.get('id', index)!s} (line {index + 1} of {path})"
+def _record_name(records: FileRecords, index: int) -> str:
+    record_id = records[index].get('id', index)
+    return f'record {record_id!s} ({records.position(index)} of {records.path})'
 
 
-def resolve_images(records: list[dict], path: str) -> list[dict]:
+def check_multimodal_record(records: FileRecords, index: int) -> None:
+    """Its question and answer are strings, its media fields paths (a string or a list)."""
+    record = records[index]
+    missing = [k for k in REQUIRED_FIELDS if k not in record]
+    if not any(record.get(f) for f in MEDIA_FIELDS):
+        missing.append(' or '.join(MEDIA_FIELDS))
+    if missing:
+        raise records.error(index, f'lacks field(s) {missing}',
+                            "a media record needs 'question', 'answer' and 'image' or 'audio'")
+    for name in REQUIRED_FIELDS:
+        if not isinstance(record[name], str):
+            raise records.error(index, f"has '{name}' = {short(record[name])}",
+                                f"write it in quotes ('{name}' must be a string)")
+    for media in MEDIA_FIELDS:
+        paths = record.get(media) or []
+        if isinstance(paths, str) or (isinstance(paths, list)
+                                      and all(isinstance(p, str) for p in paths)):
+            continue
+        raise records.error(index, f"has '{media}' = {short(paths)}",
+                            f"'{media}' must be a file path or a list of file paths")
+
+
+def resolve_images(records: list[dict], path: str | None = None) -> list[dict]:
     """Checks the required fields and makes image paths absolute; a missing image file
-    raises naming the file and the record."""
-    folder = os.path.dirname(os.path.abspath(path))
+    raises naming the file and the record. `records`: a FileRecords, or a file's records (one
+    per line of a .jsonl `path`) as a list."""
+    if not isinstance(records, FileRecords):
+        lines = list(range(1, len(records) + 1)) if is_json_lines(path) else None
+        records = FileRecords(records, path, lines)
+    folder = os.path.dirname(os.path.abspath(records.path))
     resolved = []
     for index, record in enumerate(records):
-        missing = [k for k in REQUIRED_FIELDS if k not in record]
-        if not any(record.get(f) for f in MEDIA_FIELDS):
-            missing.append(' or '.join(MEDIA_FIELDS))
-        if missing:
-            raise ValueError(f"{_record_name(record, index, path)} lacks field(s) {missing}")
-        record = with_absolute_images(record, folder, _record_name(record, index, path))
+        check_multimodal_record(records, index)
+        record = with_absolute_images(record, folder, _record_name(records, index))
         resolved.append({**record, 'id': str(record.get('id', index))})
     return resolved
 

@@ -6,11 +6,20 @@ import os
 
 import numpy as np
 
-from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.errors import ConfigError, DataFileError
 from fs_plugins.data.builtin import BUILTIN_DATASETS, ensure_builtin
 from fs_plugins.data.federated import source_records
 from fs_plugins.data.instruction import load_records
 from fs_plugins.schema.specs import DataSource
+
+
+def public_file_records(path: str, key: str) -> list[dict]:
+    """The records of a public data file; a problem with it also names `key`, the config key
+    that points at it."""
+    try:
+        return load_records(path)
+    except DataFileError as exc:
+        raise DataFileError([f'{key}: {problem}' for problem in exc.problems]) from None
 
 
 def public_records(source: str, run_data: DataSource, count: int, seed: int, key: str) -> list[dict]:
@@ -27,10 +36,10 @@ def public_records(source: str, run_data: DataSource, count: int, seed: int, key
     elif os.sep in source or source.endswith(('.json', '.jsonl')):
         if not os.path.isfile(source):
             raise ConfigError(f"{key}: file not found: {source}")
-        records = load_records(source)
+        records = public_file_records(source, key)
     elif source in BUILTIN_DATASETS:
         # through its JSONL under data.root: media paths resolved as for the run's own data
-        records = load_records(ensure_builtin(source, run_data.root))
+        records = public_file_records(ensure_builtin(source, run_data.root), key)
     else:
         raise ConfigError(f"{key} = {source!r}: give a .json/.jsonl record file or a builtin "
                           f"dataset ({', '.join(sorted(BUILTIN_DATASETS))})")

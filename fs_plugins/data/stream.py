@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from fs_plugins.core.errors import DataFileError
 from fs_plugins.core.seeding import derive_seed
 
 TASK_RANK, TASK_COUNT, OWNER = '_task_rank', '_task_count', '_owner'
@@ -38,13 +39,17 @@ def task_order(records: list[dict], field: str, order: str, client_id: int) -> l
     return tasks
 
 
-def annotate(splits: dict[str, list[dict]], field: str, order: str, client_id: int) -> dict:
-    """Copies of one client's records with their task rank, task count and owner."""
+def annotate(splits: dict[str, list[dict]], field: str, order: str, client_id: int,
+             origin: str = '') -> dict:
+    """Copies of one client's records with their task rank, task count and owner (`origin`:
+    the data file, for errors)."""
     everything = [r for part in splits.values() for r in part]
     missing = [r.get('id', i) for i, r in enumerate(everything) if field not in r]
     if missing:
-        raise ValueError(f"fsplug.data.task_field = '{field}': client {client_id}'s records "
-                         f"{missing[:5]} have no such field")
+        source = f' of {origin}' if origin else ''
+        raise DataFileError(f"fsplug.data.task_field = '{field}': client {client_id}'s records "
+                            f"{missing[:5]}{source} have no such field: add it to them, or set "
+                            "fsplug.data.task_field to a field they have")
     ranks = {task: i for i, task in enumerate(task_order(everything, field, order, client_id))}
     return {name: [{**r, TASK_RANK: ranks[str(r[field])], TASK_COUNT: len(ranks),
                     OWNER: client_id} for r in part] for name, part in splits.items()}

@@ -286,9 +286,12 @@ def _read_json(path: str, what: str) -> dict:
         raise ArtifactError(f'{what} not found: {path}')
     try:
         with open(path, encoding='utf-8') as handle:
-            return json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f'{what} is not readable JSON: {path} ({exc})') from exc
+            data = json.load(handle)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ArtifactError(f'{what} is not readable JSON: {path} ({exc})') from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f'{what} is not a JSON object: {path}')
+    return data
 
 
 def _check_files(folder: str, meta: dict) -> None:
@@ -401,39 +404,78 @@ def read_artifact(folder: str) -> dict:
     if meta.get('format') != FORMAT:
         raise ArtifactError(f'{folder}/{ARTIFACT_JSON}: format {meta.get("format")!r}, '
                             f'this version reads {FORMAT}')
+    problem = meta_problem(meta)
+    if problem:
+        raise ArtifactError(f'{folder}/{ARTIFACT_JSON}: {problem}')
     _check_files(folder, meta)
     return meta
 
 
-def saved_config(run_dir: str, meta: dict, client: int | None, folder: str):
+def meta_problem(meta: dict) -> str | None:
+    """What is malformed in a fsplug_artifact.json (the loader indexes into it), or None."""
+    files, tensors = meta.get('files', {}), meta.get('tensors', {})
+    if not isinstance(files, dict) or not all(
+            _inside_name(rel) and isinstance(entry, dict) and isinstance(entry.get('bytes'), int)
+            and isinstance(entry.get('sha256'), str) for rel, entry in files.items()):
+        return "'files' is not a table of relative paths to {bytes, sha256}"
+    if not isinstance(tensors, dict) or not all(
+            isinstance(entry, dict) and isinstance(entry.get('kind'), str) for entry in tensors.values()):
+        return "'tensors' is not a table of names to {kind, ...}"
+    adapters = meta.get('peft_adapters', [])
+    if not isinstance(adapters, list) or not all(
+            isinstance(a, str) and _inside_name(a) and os.sep not in a for a in adapters):
+        return "'peft_adapters' is not a list of adapter names"
+    for key in ('base', 'base_config', 'config'):
+        if not isinstance(meta.get(key, {}), dict):
+            return f"'{key}' is not a mapping"
+    return None
+
+
+def _inside_name(rel) -> bool:
+    """A relative path that stays inside its folder (a crafted table must not point out)."""
+    return (isinstance(rel, str) and bool(rel) and not os.path.isabs(rel)
+            and '..' not in rel.replace('\\', '/').split('/'))
+
+
+def saved_config(run_dir: str, meta: dict, client: int | None, folder: str,
+                 import_modules=()):
     """The config that built the saved model (stored with it), checked against the run's
-    config in run_info.json when the run directory has one."""
+    config in run_info.json when the run directory has one. Only `import_modules` are
+    imported, never the saved configs' fsplug.import_modules."""
     if 'config' not in meta:
         raise ArtifactError(f'{folder}/{ARTIFACT_JSON} holds no config (written by an older version)')
     info = _run_info(run_dir)
     if info and 'config' in info:
-        run_cfg = load_saved_config(info['config'], f'{run_dir}/run_info.json')
+        if not isinstance(info['config'], dict):
+            raise ArtifactError(f"{run_dir}/run_info.json: 'config' is not a mapping")
+        run_cfg = load_saved_config(info['config'], f'{run_dir}/run_info.json', import_modules)
         if client is not None:
-            run_cfg = client_config(run_cfg, (info.get('client_cfgs') or {}).get(str(client)))
+            overrides = info.get('client_cfgs') or {}
+            if not isinstance(overrides, dict):
+                raise ArtifactError(f"{run_dir}/run_info.json: 'client_cfgs' is not a mapping")
+            run_cfg = client_config(run_cfg, overrides.get(str(client)))
         _check_base(meta, run_cfg, folder)
-    return load_saved_config(meta['config'], f'{folder}/{ARTIFACT_JSON}')
+    return load_saved_config(meta['config'], f'{folder}/{ARTIFACT_JSON}', import_modules)
 
 
-def load_trained(run_dir: str, client: int | None = None, device: str = 'cpu'):
+def load_trained(run_dir: str, client: int | None = None, device: str = 'cpu',
+                 import_modules=()):
     """Rebuilds a run's trained model from its results directory: `client=None` the global
     state on the global config's model, `client=<id>` that client's model as it was evaluated
-    at the last save. Returns a `BuiltModel` (model in eval mode, codec, trainable names)."""
-    built, _ = load_trained_with_config(run_dir, client)
+    at the last save. Returns a `BuiltModel` (model in eval mode, codec, trainable names).
+    `import_modules`: modules to import first, for a method or builder they register; the
+    modules the saved config names are not imported (a results folder may come from anyone)."""
+    built, _ = load_trained_with_config(run_dir, client, import_modules)
     built.model.to(device)
     return built
 
 
-def load_trained_with_config(run_dir: str, client: int | None = None):
+def load_trained_with_config(run_dir: str, client: int | None = None, import_modules=()):
     """`load_trained` on the CPU, with the config that built the model."""
 
     folder = artifact_folder(run_dir, client)
     meta = read_artifact(folder)
-    cfg = saved_config(run_dir, meta, client, folder)
+    cfg = saved_config(run_dir, meta, client, folder, tuple(import_modules))
     method = get_method_class(cfg.fsplug.method)(cfg)
     built = build_model(cfg, method)
     model = built.model

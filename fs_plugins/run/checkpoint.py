@@ -32,6 +32,7 @@ import os
 import random
 import re
 import tempfile
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -53,8 +54,31 @@ RESUME_FREE_KEYS = ('fsplug.checkpoint', 'fsplug.overwrite', 'federate.total_rou
                     'distribute', 'fsplug.distribute')
 
 
+# entries a checkpoint written before they existed lacks (restored with a default)
+OPTIONAL_ENTRIES = ('dataset_sizes',)
+# deeper JSON than any run writes: refused before the recursive code below walks it
+MAX_NESTING = 100
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written or resumed: the message names the file and key."""
+
+
+@contextmanager
+def reading(path: str):
+    """Any failure while parsing or checking the checkpoint file `path` ends as one
+    CheckpointError naming it: a crafted file gives no raw KeyError or RecursionError."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except CheckpointError as exc:
+        if path in str(exc):
+            raise
+        raise CheckpointError(f"checkpoint: {path}: {str(exc).removeprefix('checkpoint: ')}") from None
+    except Exception as exc:
+        raise CheckpointError(f'checkpoint: {path} is not a valid checkpoint '
+                              f'({type(exc).__name__}: {exc})') from None
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -220,30 +244,88 @@ def _read(path: str, tensors: bool) -> tuple[dict, dict]:
             # safe_open handles are not iterable: keys() is needed
             return metadata, ({k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
                               if tensors else {})
-    except (OSError, ValueError) as exc:
+    except Exception as exc:   # safetensors raises its own error types
         raise CheckpointError(f'checkpoint: {path} is not readable ({exc})') from None
 
 
 def _json(path: str, metadata: dict, key: str, default: str):
     try:
-        return json.loads(metadata.get(key, default))
-    except json.JSONDecodeError as exc:
+        value = json.loads(metadata.get(key, default))
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f'checkpoint: {path} is not readable ({exc})') from None
+    if nesting(value) > MAX_NESTING:
+        raise CheckpointError(f'checkpoint: {path}: its {key} entry is nested deeper than '
+                              f'{MAX_NESTING} levels')
+    return value
+
+
+def nesting(value) -> int:
+    """How deep lists and mappings nest in `value` (iterative: the value may be crafted);
+    counting stops past MAX_NESTING."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_NESTING:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def read_info(path: str) -> dict:
-    """The plain `info` a party's checkpoint was written with."""
-    return _json(path, _read(path, tensors=False)[0], INFO_KEY, '{}')
+    """The plain `info` a party's checkpoint was written with (round, rows and config checked
+    when present)."""
+    with reading(path):
+        info = _json(path, _read(path, tensors=False)[0], INFO_KEY, '{}')
+        if not isinstance(info, dict):
+            raise CheckpointError(f'its info is a {type(info).__name__}, not a mapping')
+        for key in ('round', 'rows'):
+            if key in info and not _is_count(info[key]):
+                raise CheckpointError(f'info {key!r} is {info[key]!r}, not a count')
+        if not isinstance(info.get('config', {}), dict):
+            raise CheckpointError("info 'config' is not a mapping")
+        return info
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_party(path: str, target: dict | None = None) -> dict:
-    """A party's checkpoint; `target`: the rebuilt run's objects at the same places."""
-    metadata, tensors = _read(path, tensors=True)
-    meta = _json(path, metadata, META_KEY, 'null')
-    if not isinstance(meta, dict) or meta.get('format') != FORMAT:
-        raise CheckpointError(f'checkpoint: {path} is not an fs-plugins checkpoint '
-                              f'(format {FORMAT})')
-    return unpack(meta['skeleton'], tensors, target or {})
+    """A party's checkpoint; `target`: the rebuilt run's objects at the same places. The
+    payload must have the target's entries, of the same kinds (mappings, sequences, tensors)."""
+    with reading(path):
+        metadata, tensors = _read(path, tensors=True)
+        meta = _json(path, metadata, META_KEY, 'null')
+        if not isinstance(meta, dict) or meta.get('format') != FORMAT:
+            raise CheckpointError(f'checkpoint: {path} is not an fs-plugins checkpoint '
+                                  f'(format {FORMAT})')
+        payload = unpack(meta['skeleton'], tensors, target or {})
+        check_fits(payload, target or {}, 'payload')
+        missing = set(target or {}) - set(payload) - set(OPTIONAL_ENTRIES)
+        if missing:
+            raise CheckpointError(f'the payload lacks {sorted(missing)}')
+        if 'rng' in payload:
+            check_rng_state(payload['rng'])
+        return payload
+
+
+def check_fits(value, target, where: str) -> None:
+    """`value` has the structure of `target` (the rebuilt run's) wherever `target` has one:
+    a mapping for a mapping, a sequence for a sequence, a tensor for a tensor; None and
+    scalars are not checked (a method's state may change their kind between rounds)."""
+    if value is None or target is None:
+        return
+    if isinstance(target, dict):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"'{where}' is a {type(value).__name__}, expected a mapping")
+        for key, sub in target.items():
+            if key in value:
+                check_fits(value[key], sub, f'{where}/{key}')
+    elif isinstance(target, (list, tuple)) and not isinstance(value, (list, tuple)):
+        raise CheckpointError(f"'{where}' is a {type(value).__name__}, expected a sequence")
+    elif torch.is_tensor(target) and not torch.is_tensor(value):
+        raise CheckpointError(f"'{where}' is a {type(value).__name__}, expected a tensor")
 
 
 # ------------------------------------------------------------------ random generators
@@ -263,6 +345,16 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     if 'cuda' in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def check_rng_state(state) -> None:
+    """Raises unless `state` is one `set_rng_state` accepts: it is tried, and the current
+    generators' state put back."""
+    current = rng_state()
+    try:
+        set_rng_state(state)
+    finally:
+        set_rng_state(current)
 
 
 def _numpy_state():
@@ -285,6 +377,9 @@ def client_payload(client) -> dict:
 
 
 def restore_client(client, payload: dict) -> None:
+    if not _is_count(payload['round']):
+        raise CheckpointError(f"checkpoint of client {client.client_id}: round "
+                              f"{payload['round']!r} is not a round")
     with torch.no_grad():
         for name, tensor in payload['params'].items():
             if name not in client.params or client.params[name].shape != tensor.shape:
@@ -337,9 +432,11 @@ def party_info(cfg, round_idx: int, rows: int | None = None) -> dict:
 def read_server(run_dir: str, round_idx: int, server) -> dict:
     """Restores `server` from its file of round `round_idx`; returns the random generators'
     state, for the caller to restore where the run continues."""
-    payload = read_party(party_path(run_dir, 'server', round_idx), server_payload(server))
-    restore_server(server, payload)
-    return payload['rng']
+    path = party_path(run_dir, 'server', round_idx)
+    with reading(path):
+        payload = read_party(path, server_payload(server))
+        restore_server(server, payload)
+        return payload['rng']
 
 
 # ------------------------------------------------------------------ one process
@@ -354,7 +451,11 @@ def save_federation(run_dir: str, round_idx: int, server, clients, rows: int) ->
 
 def server_checkpoint_info(cfg, run_dir: str) -> dict:
     """The newest server checkpoint's round, results rows and config, checked against `cfg`."""
-    info = read_info(party_path(run_dir, 'server', latest_round(run_dir)))
+    path = party_path(run_dir, 'server', latest_round(run_dir))
+    info = read_info(path)
+    missing = [key for key in ('round', 'rows') if key not in info]
+    if missing:
+        raise CheckpointError(f'checkpoint: {path}: its info lacks {missing}')
     check_resumable(cfg, info.get('config', {}))
     return info
 
@@ -363,7 +464,8 @@ def resume_federation(run_dir: str, round_idx: int, server, clients) -> None:
     """Loads every party's checkpoint of round `round_idx` into the rebuilt run."""
     for client in clients:
         path = party_path(run_dir, client_party(client.client_id), round_idx)
-        restore_client(client, read_party(path, client_payload(client)))
+        with reading(path):
+            restore_client(client, read_party(path, client_payload(client)))
     set_rng_state(read_server(run_dir, round_idx, server))
 
 
@@ -378,11 +480,14 @@ def check_resumable(cfg, saved_config: dict) -> None:
                            f'checkpointed run in {shown}'])
 
 
-def _flat(tree: dict, prefix: str = '') -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f'{prefix}{key}.'))
-        else:
-            out[f'{prefix}{key}'] = value
+def _flat(tree: dict) -> dict:
+    """{'a.b': value} of a nested mapping (iterative: a saved config may be crafted)."""
+    out, stack = {}, [('', tree)]
+    while stack:
+        prefix, node = stack.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                stack.append((f'{prefix}{key}.', value))
+            else:
+                out[f'{prefix}{key}'] = value
     return out

@@ -16,6 +16,7 @@ import torch
 from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
 from fs_plugins.data import stream
 from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
+from fs_plugins.data.federated import nothing_fits_error
 from fs_plugins.data.multimodal import reference_answer
 from fs_plugins.methods.base import ClientUpdate, Method, Phase, activate_adapters
 from fs_plugins.metrics.generation_metrics import GENERATION_METRICS, configure_generation_metrics
@@ -78,8 +79,8 @@ class ClientProcedure:
         self.eval_data = {split: EncodedDataset(records.get(split) or [], self.codec,
                                                 f'client {client_id} {split}')
                           for split in EVAL_SPLITS}
-        if not self.train_data:
-            raise ValueError(f"Client {client_id} has no usable training records")
+        if not self.train_data:   # the split gave it records: none fits llm.tok_len
+            raise nothing_fits_error(client_id, records['train'], int(cfg.llm.tok_len))
         self.collate = self.codec.collate
         self.predictions_path = None   # where evaluate() writes generated answers, if set
         self.batch_size = cfg.dataloader.batch_size

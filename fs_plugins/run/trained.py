@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 
 import torch
 
@@ -67,9 +68,9 @@ def _device(requested: str | None, cfg) -> str:
     return requested or device_for(cfg)
 
 
-def _load(run_dir: str, client: int | None, device: str | None):
+def _load(run_dir: str, client: int | None, device: str | None, import_modules=()):
     """(built model, its config, device) of a run's client (or global state), on the device."""
-    built, cfg = load_trained_with_config(run_dir, client)
+    built, cfg = load_trained_with_config(run_dir, client, import_modules)
     device = _device(device, cfg)
     built.model.to(device)
     return built, cfg, device
@@ -78,10 +79,11 @@ def _load(run_dir: str, client: int | None, device: str | None):
 # ---------------------------------------------------------------------- predict
 @torch.no_grad()
 def predict(run_dir: str, input_path: str, client: int | None = None, batch_size: int | None = None,
-            max_new_tokens: int | None = None, device: str | None = None) -> list[dict]:
+            max_new_tokens: int | None = None, device: str | None = None,
+            import_modules=()) -> list[dict]:
     """Greedy answers of the run's model to every record of `input_path`, in batches."""
     _must_exist(input_path, 'Input file')
-    built, cfg, device = _load(run_dir, client, device)
+    built, cfg, device = _load(run_dir, client, device, import_modules)
     records = read_prompts(input_path, isinstance(built.codec, MultimodalCodec))
     answers = generate_answers(built.model, built.codec, records, _batch_size(cfg, batch_size),
                                int(max_new_tokens or cfg.fsplug.eval.max_new_tokens), device)
@@ -93,12 +95,12 @@ def predict(run_dir: str, input_path: str, client: int | None = None, batch_size
 # ------------------------------------------------------------------------- eval
 @torch.no_grad()
 def evaluate(run_dir: str, data_path: str, client: int | None = None, batch_size: int | None = None,
-             device: str | None = None) -> dict:
+             device: str | None = None, import_modules=()) -> dict:
     """The run's configured metrics on another dataset (records with answers, the format of
     the training data): answer-token loss and accuracy, plus fsplug.eval.gen_metrics when the
     run generated (fsplug.eval.generate)."""
     _must_exist(data_path, 'Data file')
-    built, cfg, device = _load(run_dir, client, device)
+    built, cfg, device = _load(run_dir, client, device, import_modules)
     dataset = EncodedDataset(load_records(data_path), built.codec, data_path)
     if not len(dataset):
         raise ValueError(f'{data_path}: no record fits the model (llm.tok_len = {cfg.llm.tok_len})')
@@ -137,19 +139,38 @@ def _save_preprocessing(codec, out_dir: str) -> None:
     (codec.processor if isinstance(codec, MultimodalCodec) else codec.tokenizer).save_pretrained(out_dir)
 
 
-def export(run_dir: str, out_dir: str, client: int | None = None, merge: bool = False) -> str:
+def export(run_dir: str, out_dir: str, client: int | None = None, merge: bool = False,
+           import_modules=()) -> str:
     """Writes the run's model (a client's, or the global state) as a self-contained Hugging
     Face folder: with merge, the LoRA merged into the base weights (peft merge_and_unload) —
     a full model any HF tooling loads; without, the peft adapter folder plus the tokenizer.
-    Plain-LoRA methods only: models with the method's own modules are refused."""
-    built, cfg, _ = _load(run_dir, client, 'cpu')
+    Plain-LoRA methods only: models with the method's own modules are refused. It is written
+    into a fresh temporary folder beside `out_dir`, renamed into place when complete."""
+    built, cfg, _ = _load(run_dir, client, 'cpu', import_modules)
     what = 'the global model' if client is None else f'client {client}'
-    model = built.model
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f'Export folder {out_dir} exists and is not empty')
-    tmp = out_dir.rstrip('/') + '.tmp'
-    shutil.rmtree(tmp, ignore_errors=True)
-    _plain_lora_or_refuse(model, cfg.fsplug.method, what, merge)
+    _plain_lora_or_refuse(built.model, cfg.fsplug.method, what, merge)
+    model = _exportable(built.model, cfg.fsplug.method, what, merge)
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f'.{name}.tmp-', dir=parent)
+    try:
+        _write_export(model, built.codec, tmp, {
+            'run': os.path.abspath(run_dir), 'client': client, 'merged': merge,
+            'method': cfg.fsplug.method, 'base': str(cfg.model.type)})
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info(f'fs-plugins: exported {what} of {run_dir} -> {out_dir}')
+    return out_dir
+
+
+def _exportable(model, method: str, what: str, merge: bool):
+    """The model as peft saves it: merged into its base weights, or its single adapter."""
     if merge:
         # the base tensors may be shared with other models of this process (builders'
         # frozen-tensor cache); merging writes into them, so merge into copies
@@ -158,17 +179,22 @@ def export(run_dir: str, out_dir: str, client: int | None = None, merge: bool = 
         model = model.merge_and_unload()
         fuse_expert_gate_up(model)
     elif len(model.peft_config) > 1:
-        raise ArtifactError(f"Cannot export {what} of method '{cfg.fsplug.method}' as one peft "
+        raise ArtifactError(f"Cannot export {what} of method '{method}' as one peft "
                             f"adapter: its forward combines the adapters {list(model.peft_config)}; "
                             f"export with --merge")
-    model.save_pretrained(tmp)
-    _save_preprocessing(built.codec, tmp)
-    with open(os.path.join(tmp, EXPORT_JSON), 'w', encoding='utf-8') as handle:
-        json.dump({'run': os.path.abspath(run_dir), 'client': client, 'merged': merge,
-                   'method': cfg.fsplug.method, 'base': str(cfg.model.type)}, handle, indent=2)
-    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    if os.path.isdir(out_dir):
-        os.rmdir(out_dir)
-    os.replace(tmp, out_dir)
-    logger.info(f'fs-plugins: exported {what} of {run_dir} -> {out_dir}')
-    return out_dir
+    return model
+
+
+def _write_export(model, codec, folder: str, description: dict) -> None:
+    model.save_pretrained(folder)
+    _save_preprocessing(codec, folder)
+    with open(os.path.join(folder, EXPORT_JSON), 'w', encoding='utf-8') as handle:
+        json.dump(description, handle, indent=2)
+    # mkdtemp makes the folder owner-only; an export is as shareable as any folder made here
+    os.chmod(folder, 0o777 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
