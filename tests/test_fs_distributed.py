@@ -76,10 +76,10 @@ def test_launch_stops_every_process_when_one_fails(tmp_path, monkeypatch, capsys
     federation = LocalFederation(_config(tmp_path, 'fail', method='fedavg', rounds=50), env=_env())
     failing = federation.parties[2].cfg_path
 
-    def command(cfg_path, switches):
+    def command(cfg_path, switches, client_cfg=None):
         if cfg_path == failing:
             return [sys.executable, '-c', 'import sys, time; time.sleep(2); sys.exit(3)']
-        return party_command(cfg_path, switches)
+        return party_command(cfg_path, switches, client_cfg)
     monkeypatch.setattr(launch, 'party_command', command)
     assert federation.run(timeout=300) == 1
     assert 'client_2 exited with code 3' in capsys.readouterr().out

@@ -305,13 +305,15 @@ def test_a_round_without_a_valid_update_keeps_the_state():
                                   'reason': 'shared w (2,) has non-finite values (NaN/Inf)'}]
 
 
-def test_a_server_without_the_clients_configs_trusts_each_clients_first_valid_update():
-    """A distributed server may lack the clients' --client_cfg: a client's first valid update
-    fixes the shapes it must keep sending."""
+def test_a_server_without_the_clients_configs_expects_its_own_model():
+    """A distributed server may lack the clients' --client_cfg: a client without a known config
+    must send the run's own model, as the server builds it; its first update never defines what
+    it may send (issue 41)."""
     server = fedavg_server({'w': torch.ones(2)})
     server.all_client_configs_known = False
     bigger = ClientUpdate(2, 4, {'w': torch.ones(3)}, {}, {})
-    assert server.accepted(0, [bigger]) == [bigger]
-    shrunk = ClientUpdate(2, 4, {'w': torch.ones(2)}, {}, {})
-    assert server.accepted(1, [shrunk]) == []
-    assert 'shared w has shape (2,), expected (3,)' in server.rejections[0]['reason']
+    assert server.accepted(0, [bigger]) == []
+    assert 'shared w has shape (3,), expected (2,)' in server.rejections[0]['reason']
+    assert '--client_cfg' in server.rejections[0]['reason']
+    fitting = ClientUpdate(2, 4, {'w': torch.ones(2)}, {}, {}, dataset_size=4)
+    assert server.accepted(1, [fitting]) == [fitting]

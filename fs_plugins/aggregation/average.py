@@ -1,9 +1,11 @@
-"""Sample-weighted averaging of named tensors."""
+"""Sample-weighted averaging of named tensors, and the client weights it uses."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+from fs_plugins.aggregation.robust import active_average, robust_combination
 
 
 def normalise_weights(weights: Sequence[float]) -> torch.Tensor:
@@ -36,28 +38,57 @@ def client_weights(mode: str, dataset_sizes: Sequence[int], processed: Sequence[
                      f"'dataset_size', 'processed', 'uniform'")
 
 
+def capped_dataset_size(reported: int, known: int | None, max_size: int) -> int:
+    """A client's training-set size as its aggregation weight may use it: what it reports,
+    at most the size the server knows for it (its split), else at most `max_size`
+    (fsplug.aggregation.max_dataset_size; 0 = no cap)."""
+    if known is not None:
+        return min(int(reported), int(known))
+    return min(int(reported), int(max_size)) if max_size > 0 else int(reported)
+
+
 def weighted_average(states: Sequence[dict], weights: Sequence[float]) -> dict:
     """Per key: sum_k p_k x_k with p_k = w_k / sum w over the states holding that key.
 
     Keys present in only some states (heterogeneous clients) are averaged over those.
-    Accumulates in float32 at least (float64 for float64 inputs); returns the input dtype.
+    Accumulates in float32 (float64 for float64 inputs) and returns the inputs' dtype, which
+    must be one (the server checks every update's dtypes against its own model's). Inside
+    `fs_plugins.aggregation.robust.robust_averaging` with 'median' or 'trimmed_mean', that
+    unweighted coordinate-wise average replaces the weighted one.
     """
     if len(states) != len(weights):
         raise ValueError(f"{len(states)} states but {len(weights)} weights")
+    average = active_average()
     keys = list(dict.fromkeys(k for state in states for k in state))
     out = {}
     for key in keys:
         holders = [i for i, state in enumerate(states) if key in state]
         tensors = [states[i][key] for i in holders]
-        shapes = {tuple(t.shape) for t in tensors}
-        if len(shapes) > 1:
-            raise ValueError(f"Cannot average '{key}': clients sent different shapes "
-                             f"{sorted(shapes)} (clients on different models: set "
-                             f"fsplug.aggregation.per_architecture: True)")
-        p = normalise_weights([weights[i] for i in holders])
-        acc_dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
-        acc = torch.zeros(tensors[0].shape, dtype=acc_dtype)
-        for pk, t in zip(p, tensors):
-            acc += float(pk) * t.detach().to('cpu', acc_dtype)
-        out[key] = acc.to(tensors[0].dtype)
+        dtype = _common_dtype(key, tensors)
+        if average.mode == 'weighted':
+            out[key] = _weighted(tensors, [weights[i] for i in holders]).to(dtype)
+        else:
+            out[key] = robust_combination(tensors, average).to(dtype)
     return out
+
+
+def _common_dtype(key: str, tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) > 1:
+        raise ValueError(f"Cannot average '{key}': clients sent different shapes "
+                         f"{sorted(shapes)} (clients on different models: set "
+                         f"fsplug.aggregation.per_architecture: True)")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(f"Cannot average '{key}': clients sent different dtypes "
+                         f"{sorted(str(d) for d in dtypes)}")
+    return tensors[0].dtype
+
+
+def _weighted(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    p = normalise_weights(weights)
+    acc_dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+    acc = torch.zeros(tensors[0].shape, dtype=acc_dtype)
+    for pk, t in zip(p, tensors):
+        acc += float(pk) * t.detach().to('cpu', acc_dtype)
+    return acc

@@ -135,9 +135,12 @@ def write_yaml(path: str, cfg: dict) -> str:
     return path
 
 
-def party_command(cfg_path: str, switches: list[str]) -> list[str]:
+def party_command(cfg_path: str, switches: list[str], client_cfg: str | None = None) -> list[str]:
+    """client_cfg: the server's: every client's entry, so that it knows what each client's
+    model is and may send (a client's first update no longer tells it)."""
+    clients = ['--client_cfg', os.path.abspath(client_cfg)] if client_cfg else []
     return [sys.executable, '-m', 'fs_plugins.commands.cli', 'run', '--runner', 'fs', '--cfg', cfg_path,
-            *switches]
+            *clients, *switches]
 
 
 class LocalFederation:
@@ -150,6 +153,7 @@ class LocalFederation:
         base, cfg, self.run_dir = load_run(cfg_path, opts, run_dir)
         self.total_rounds = int(cfg.federate.total_round_num)
         self.switches, self.env, self.out = list(switches), env, out or sys.stdout
+        self.client_cfg = client_cfg
         client_cfgs = read_yaml(client_cfg) if client_cfg else {}
         client_ids = range(1, client_count(cfg) + 1)
         unknown = sorted(set(client_cfgs) - {f'client_{k}' for k in client_ids})
@@ -176,7 +180,8 @@ class LocalFederation:
               command: list[str] | None = None) -> None:
         """Starts `party` (again: e.g. with `--resume DIR` after it was stopped)."""
         command = command or party_command(party.cfg_path, self.switches if switches is None
-                                           else switches)
+                                           else switches,
+                                           self.client_cfg if party.role == 'server' else None)
         with open(party.log_path, 'a', encoding='utf-8') as log:
             party.process = subprocess.Popen(command,
                                              stdout=log, stderr=subprocess.STDOUT,
@@ -306,7 +311,8 @@ def launch_one(cfg_path: str, role: str, data_idx: int, server: Address, own: Ad
     party = Party(role, data_idx, own)
     write_party_config(party, base, server, run_dir, read_yaml(client_cfg) if client_cfg else {},
                        security)
-    return subprocess.call(party_command(party.cfg_path, switches))
+    return subprocess.call(party_command(party.cfg_path, switches,
+                                         client_cfg if role == 'server' else None))
 
 
 # ------------------------------------------------------------------ shipped configs

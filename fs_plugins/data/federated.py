@@ -59,6 +59,10 @@ class FederatedRecords:
     def client_num(self) -> int:
         return len(self.clients)
 
+    def train_sizes(self) -> dict[int, int]:
+        """Each client's training records (the most it can honestly report training on)."""
+        return {cid: len(splits['train']) for cid, splits in self.clients.items()}
+
 
 def data_path(source: DataSource) -> str:
     """Where the records of a record file or builtin dataset are (nothing written)."""

@@ -13,6 +13,9 @@ from fs_plugins.run.runtime import build_federated_records, resolved_override
 CLIENT_NAMES: dict[int, str] = {}
 # client id -> its --client_cfg entry, for the server of this process (Method.client_configs)
 CLIENT_OVERRIDES: dict[int, dict] = {}
+# client id -> its training split's size, which caps the size it reports (every party splits
+# the same records, a distributed server too)
+CLIENT_TRAIN_SIZES: dict[int, int] = {}
 
 
 def lookup_data(config, client_cfgs):
@@ -34,6 +37,8 @@ def lookup_data(config, client_cfgs):
     CLIENT_NAMES.update(records.client_names)
     CLIENT_OVERRIDES.clear()
     CLIENT_OVERRIDES.update(overrides)
+    CLIENT_TRAIN_SIZES.clear()
+    CLIENT_TRAIN_SIZES.update(records.train_sizes())
     if config.federate.mode.lower() == 'distributed':
         if config.distribute.role == 'server':
             return None, config

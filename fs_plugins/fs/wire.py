@@ -7,7 +7,9 @@ that dict is passed as is (one process, no encoding).
 In distributed mode (gRPC) the whole dict travels as ONE safetensors blob, base64-encoded
 because FS's protobuf carries text: tensors in its body, the scalars as JSON in its metadata.
 Nothing received is ever unpickled, so no payload can run code on the receiver; a payload that
-is not such a blob, or holds anything else, raises `WireError` naming the sender and the key.
+is not such a blob, holds anything else, or whose scalars are out of range raises `WireError`
+naming the sender and the key: every error decoding raises is turned into one, so a malformed
+message is the sender's rejection, never the receiver's crash.
 (FS's own `b64serializer` pickles; the plugin no longer uses it.)
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import struct
 
 import torch
@@ -22,6 +25,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from fs_plugins.methods.base import ClientUpdate
+from fs_plugins.run.validation import count_problem
 
 MARKER = '__fsplug__'     # never empty: FS's gRPC encoder cannot encode an empty dict
 PAYLOAD = 'fsplug/payload'
@@ -70,8 +74,9 @@ def _header(data: bytes, sender: str) -> dict:
                         f'bytes in {len(data)})')
     try:
         header = json.loads(data[8:8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f'payload from {sender} has an unreadable header ({exc})') from None
+    except Exception as exc:   # noqa: BLE001 -- e.g. RecursionError of a deeply nested header
+        raise WireError(f'payload from {sender} has an unreadable header '
+                        f'({type(exc).__name__}: {_short(exc)})') from None
     if not isinstance(header, dict):
         raise WireError(f'payload from {sender} has an unreadable header')
     return header
@@ -88,16 +93,23 @@ def from_blob(text, sender: str) -> dict:
         raise WireError(f"payload from {sender}: '{PAYLOAD}' is not base64 ({exc})") from None
     header = _header(data, sender)
     try:
-        scalars = json.loads((header.get('__metadata__') or {}).get(SCALARS_KEY, '{}'))
+        metadata = header.get('__metadata__') or {}
+        scalars = json.loads(metadata.get(SCALARS_KEY, '{}'))
         tensors = load_tensors(data)
-    except Exception as exc:   # safetensors raises its own error type
-        raise WireError(f'payload from {sender} is not a valid safetensors blob ({exc})') from None
+    except Exception as exc:   # noqa: BLE001 -- safetensors' own errors, odd metadata
+        raise WireError(f'payload from {sender} is not a valid safetensors blob '
+                        f'({type(exc).__name__}: {_short(exc)})') from None
     if not isinstance(scalars, dict):
         raise WireError(f'payload from {sender}: its scalars are not a JSON object')
     for key, value in scalars.items():
         if value is not None and not isinstance(value, SCALAR_TYPES):
             raise WireError(f"payload from {sender}: '{key}' is a {type(value).__name__}")
     return {**scalars, **tensors}
+
+
+def _short(exc: Exception, limit: int = 200) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + '...'
 
 
 # ------------------------------------------------------------------ messages
@@ -126,7 +138,14 @@ def encode_tensors(tensors: dict, distributed: bool) -> dict:
 
 
 def decode_tensors(content, sender: str = 'the server') -> dict:
-    return _section(_flat(content, sender), SHARED) if isinstance(content, dict) else {}
+    if not isinstance(content, dict):
+        return {}
+    try:
+        return _section(_flat(content, sender), SHARED)
+    except WireError:
+        raise
+    except Exception as exc:   # noqa: BLE001 -- whatever a malformed message raises
+        raise WireError(f'content from {sender}: {type(exc).__name__}: {_short(exc)}') from None
 
 
 def encode_update(update: ClientUpdate, distributed: bool) -> dict:
@@ -138,18 +157,64 @@ def encode_update(update: ClientUpdate, distributed: bool) -> dict:
 
 
 def decode_update(client_id: int, num_samples, content) -> ClientUpdate:
-    """The ClientUpdate a client sent; WireError (naming the client) when it is malformed."""
+    """The ClientUpdate a client sent; WireError (naming the client) for anything malformed:
+    any decoding error, a count that is not an integer in [0, MAX_COUNT] (`num_samples`,
+    a dataset size under 1), a metric that is not a number or is infinite (NaN stays: it is
+    the clients' own 'no value', e.g. the loss of a round without samples)."""
     sender = f'client {client_id}'
-    flat = _flat(content, sender)
     try:
-        metrics = {k: float(v) for k, v in _section(flat, METRIC).items()}
-        return ClientUpdate(int(client_id), int(num_samples), _section(flat, SHARED),
-                            _section(flat, EXTRA), metrics,
-                            dataset_size=int(flat.get(DATASET_SIZE, 0)))
-    except (TypeError, ValueError) as exc:
-        raise WireError(f'content from {sender}: {exc}') from None
+        flat = _flat(content, sender)
+        return ClientUpdate(int(client_id), _count(num_samples, 'num_samples', sender),
+                            _tensors(flat, SHARED, sender), _tensors(flat, EXTRA, sender),
+                            _metrics(flat, sender),
+                            dataset_size=_count(flat.get(DATASET_SIZE), DATASET_SIZE, sender,
+                                                minimum=1))
+    except WireError:
+        raise
+    except Exception as exc:   # noqa: BLE001 -- no malformed update may escape as another error
+        raise WireError(f'content from {sender}: {type(exc).__name__}: {_short(exc)}') from None
+
+
+def _count(value, what: str, sender: str, minimum: int = 0) -> int:
+    problem = count_problem(value, what, minimum)
+    if problem:
+        raise WireError(f'content from {sender}: {problem}')
+    return int(value)
+
+
+def _tensors(flat: dict, prefix: str, sender: str) -> dict:
+    tensors = _section(flat, prefix)
+    for name, value in tensors.items():
+        if not torch.is_tensor(value):
+            raise WireError(f"content from {sender}: '{prefix}{name}' is a "
+                            f"{type(value).__name__}, not a tensor")
+    return tensors
+
+
+def _metrics(flat: dict, sender: str) -> dict[str, float]:
+    metrics = {}
+    for name, value in _section(flat, METRIC).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isinf(value):
+            raise WireError(f"content from {sender}: metric '{name}' = {value!r} is not a "
+                            f"finite number")
+        metrics[name] = float(value)
+    return metrics
 
 
 def encoded_size(content: dict) -> int:
     """Bytes of the text fields of an encoded message (what gRPC's limits apply to)."""
     return sum(len(v) for v in content.values() if isinstance(v, (str, bytes)))
+
+
+def decoded_updates(received: dict, reject) -> list[ClientUpdate]:
+    """The updates of a round's FS messages ({client id: (num_samples, content)}); one that
+    cannot be decoded, for whatever reason, goes to `reject(client_id, reason)` and the rest
+    go on."""
+    updates = []
+    for client_id, message in received.items():
+        try:
+            num_samples, content = message
+            updates.append(decode_update(client_id, num_samples, content))
+        except Exception as exc:   # noqa: BLE001 -- a malformed message is its sender's
+            reject(int(client_id), f'undecodable update: {exc}')
+    return updates

@@ -121,6 +121,10 @@ class Method:
     # why a client's model cannot be exported as a plain Hugging Face model (merged or as one
     # peft adapter), e.g. forward hooks or modules of the method's own; '' when it can
     hf_export_refusal: ClassVar[str] = ''
+    # why fsplug.aggregation.robust.average 'median' / 'trimmed_mean' cannot apply: the method's
+    # aggregation of its shared tensors is not `weighted_average` (fs_plugins.aggregation.robust);
+    # '' when it is
+    robust_aggregation_refusal: ClassVar[str] = ''
     # the peft adapters active outside training (evaluation, saving, export) when phases
     # switch them; None: the adapters adapt_model left active
     inference_adapters: ClassVar[tuple[str, ...] | None] = None

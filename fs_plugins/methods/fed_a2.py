@@ -135,6 +135,7 @@ def vera_projections(model: torch.nn.Module) -> dict[str, VeraProjection]:
 @register_method
 class FedA2LoRA(Method):
     name = 'fed_a2'
+    robust_aggregation_refusal = "its B is solved analytically from every client's product B_k A_k"
     summary = ('FedA²-LoRA: A = Σp_kA_k, B = argmin‖BA − Σp_kB_kA_k‖² (+ λ‖B‖² when A Aᵀ is '
                'singular, Eq. 13; or every round: ridge_mode always), '
                'no d_out×d_in matrix formed; mixed ranks zero-padded to the largest, each client '

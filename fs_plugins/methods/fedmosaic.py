@@ -161,6 +161,7 @@ _SMALL_MODELS: dict = {}   # (builder, model.type, dtype) -> W_s, one frozen cop
 @register_method
 class FedMosaic(Method):
     name = 'fedmosaic'
+    robust_aggregation_refusal = 'its customised globals weigh clients by gradient similarity (RELA)'
     summary = ('FedMosaic: PQ-LoRA (shared P, Q on frozen aligned orthonormal A, B) at block ends '
                '+ gated local/global LoRA, heterogeneous models; RELA: per-client global '
                'G_i = Σ_j softmax(cos(g̃_i, g̃_j)/τ) L_j from sanitised W_s gradients')

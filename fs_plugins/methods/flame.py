@@ -166,6 +166,7 @@ class FlameConfig:
 @register_method
 class Flame(ExpertRoutingMethod):
     name = 'flame'
+    robust_aggregation_refusal = "its expert factors are weighted by each client's activation counts"
     summary = ('FLAME on sparse-MoE models (OLMoE): LoRA on every expert (peft '
                'target_parameters), client i routes to k_i experts (training and evaluation), a '
                'client-local rescaler on the MoE output, activation-aware aggregation γ_i^j = '

@@ -13,6 +13,7 @@ class FlexLoRA(Method):
     summary = ('mixed ranks: ΔW = Σp_kB_kA_k, truncated SVD, client k keeps the top r_k '
                'components (√S split evenly)')
     sent = 'own-rank A, B / largest-rank A, B'
+    robust_aggregation_refusal = "its LoRA factors come from an SVD of the weighted sum of the clients' products"
 
     def aggregate(self, server_state, updates):
         def combine(As, Bs, weights):

@@ -23,6 +23,7 @@ class HetLoRA(Method):
     summary = ('mixed ranks: zero-pad to the largest rank, average (sparsity-weighted ∝ '
                'n_k‖B_kA_k‖_F), each client keeps its first r_k components')
     sent = 'own-rank A, B / largest-rank A, B'
+    robust_aggregation_refusal = 'its LoRA factors are zero-padded and averaged by rank, not coordinate-wise'
     config_class = HetLoRAConfig
 
     def aggregate(self, server_state, updates):

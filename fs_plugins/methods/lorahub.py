@@ -43,6 +43,7 @@ class LoraHubConfig:
 @register_method
 class LoraHub(MergedLibraryMethod):
     name = 'lorahub'
+    robust_aggregation_refusal = "its server searches composition weights from the clients' losses"
     summary = ('LoRAHub: one merged LoRA (Σ w_n A_n)(Σ w_n B_n) from the frozen library; the '
                'weights come from a federated gradient-free search (cross-entropy method: '
                'clients score candidates by their local loss, no backward)')

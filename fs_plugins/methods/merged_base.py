@@ -19,6 +19,7 @@ class MergesIntoBase(Method):
     """What the methods of this module share: the clients' original base weights W0 in
     state['w0'], and the folded base weights saved with a client's model."""
     modifies_frozen_weights = True
+    robust_aggregation_refusal = "it folds an update computed from every client's LoRA factors into the base weights"
 
     def init_client_state(self, model, cfg):
         return {'w0': {}}

@@ -84,6 +84,7 @@ class PerAdaConfig:
 @register_method
 class PerAda(Ditto):
     name = 'perada'
+    robust_aggregation_refusal = "its server distils the global adapters from every client's adapters"
     summary = ('PerAda: personal LoRA (CE + λ‖v − w‖²) then global LoRA (CE) per round; server '
                'averages the global LoRA and distils the clients\' ensemble into it on '
                'unlabelled public prompts; evaluation uses the personal one')

@@ -123,6 +123,7 @@ class UniFLoWConfig:
 @register_method
 class UniFLoW(Method):
     name = 'uniflow'
+    robust_aggregation_refusal = "its LoRA aggregation is another method's (fsplug.uniflow.aggregation)"
     summary = ('UniFLoW: LoRA on modality encoders and LLM, II-stage local training (encoder '
                'LoRA for τ·S steps, then LLM LoRA), FedA²-LoRA (or fedavg/ffa/fedsa/fedex) '
                'aggregation')

@@ -228,7 +228,18 @@ def _generation(cfg) -> list[str]:
 
 def _method_rules(cfg) -> list[str]:
     method_cls = method_classes()[cfg['fsplug']['method']]
-    return method_cls.config_problems(method_cls.options(cfg), cfg)
+    return method_cls.config_problems(method_cls.options(cfg), cfg) + robust_problems(method_cls, cfg)
+
+
+def robust_problems(method_cls, cfg) -> list[str]:
+    """fsplug.aggregation.robust.average other than 'weighted' with a method whose aggregation is
+    not the weighted average (`Method.robust_aggregation_refusal`); `cfg` plain or Cfg."""
+    average = cfg['fsplug']['aggregation']['robust']['average']
+    refusal = getattr(method_cls, 'robust_aggregation_refusal', '')
+    if average == 'weighted' or not refusal:
+        return []
+    return [f"fsplug.aggregation.robust.average = {average!r} does not apply to "
+            f"{method_cls.name}: {refusal} (fsplug.aggregation.robust.clip_norm does)"]
 
 
 # the rules that need no registry (the pre-check runs these), then those that do

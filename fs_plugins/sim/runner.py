@@ -52,6 +52,7 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
     try:
         shared, layout = initial_global(cfg, method)
         server = ServerProcedure(cfg, method, shared, results, layout)
+        server.known_dataset_sizes = records.train_sizes()   # caps the sizes clients report
         clients = build_clients(cfg, method_cls, records, overrides, device_for(cfg))
         method.client_configs = {cid: client.cfg for cid, client in clients.items()}
         for cid, client in clients.items():
