@@ -1,6 +1,7 @@
 """FS distributed mode through the plugin's own gRPC comm manager: TLS, client authentication,
-one reused channel per peer, a receive that sleeps instead of spinning, and failures that name
-the party.
+one reused channel per peer, a receive that sleeps instead of spinning (with a timeout, for the
+workers' deadlines) and never raises on a malformed message, a probe of whether a peer still
+listens, and failures that name the party.
 
 FS's `gRPCCommManager` listens on an insecure port and opens a plaintext channel for every
 message, so anyone who reaches a port can join as any client or send under any id. The
@@ -24,6 +25,7 @@ import contextlib
 import functools
 import hmac
 import logging
+import socket
 import threading
 import time
 from concurrent import futures
@@ -41,6 +43,8 @@ SERVER_ID = 0
 MIN_TOKEN_CHARS = 16
 LOOPBACK = ('127.0.0.1', 'localhost', '::1')
 RETRY_S = 1.0
+PROBE_CONNECT_S = 3.0
+UNREADABLE_MSG = 'fsplug_unreadable'   # what `receive` makes of a request FS cannot parse
 
 
 @dataclass
@@ -227,9 +231,11 @@ class _CheckedServeFunc:
         self.refused = 0
         self._arrived = threading.Condition()
 
-    def receive(self):
+    def receive(self, timeout: float | None = None):
+        """The next request; None when `timeout` seconds pass without one."""
         with self._arrived:
-            self._arrived.wait_for(lambda: self.msg_queue)
+            if not self._arrived.wait_for(lambda: self.msg_queue, timeout):
+                return None
             return self.msg_queue.popleft()
 
     def sendMessage(self, request, context):
@@ -293,6 +299,34 @@ class _PluginCommManager:
                 require_client_auth=self.credentials.auth == 'certificate'))
         else:
             server.add_insecure_port(address)
+
+    def receive(self, timeout: float | None = None):
+        """The next message; None when `timeout` seconds pass without one. A request FS
+        cannot parse comes as an UNREADABLE_MSG message naming the reason (from its sender
+        where that can be read), for the receiver to reject rather than crash on."""
+        request = self.server_funcs.receive(timeout)
+        if request is None:
+            return None
+        from federatedscope.core.message import Message  # lazy: FS loads on first use
+        message = Message()
+        try:
+            message.parse(request.msg)
+        except Exception as exc:   # any malformed field: one sender's fault, not the receiver's
+            return Message(msg_type=UNREADABLE_MSG, sender=_sender_of(request), receiver=[],
+                           state=-1, timestamp=0,
+                           content=f'unreadable message ({type(exc).__name__}: {exc})'[:300])
+        return message
+
+    def reachable(self, peer_id, timeout: float = PROBE_CONNECT_S) -> bool:
+        """Whether `peer_id`'s port accepts a TCP connection now (a process listens there):
+        a bare connect, without gRPC's reconnection back-off, which could hide a peer that
+        is back."""
+        host, _, port = str(self.neighbors[peer_id]).rpartition(':')
+        try:
+            with socket.create_connection((host.strip('[]'), int(port)), timeout=timeout):
+                return True
+        except (OSError, ValueError):
+            return False
 
     # ---------------------------------------------------------------- sending
     def send(self, message):

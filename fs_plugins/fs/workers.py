@@ -14,12 +14,20 @@ What they change in FS's flow, and why:
   content (or, at a save round without evaluation, a SAVE_MSG with that content);
 - whole-federation checkpoints and resume (fs_plugins.fs.checkpoints); a distributed client
   process that was restarted rejoins, restores its checkpoint and gets its round's content
-  again.
+  again;
+- distributed mode, where messages come from other processes: the server checks every message
+  before its handler runs and turns a bad one, or a handler's exception, into a rejection
+  naming the client (`PluginServer._dispatch`); a round has a deadline
+  (fsplug.distribute.round_timeout_s), after which the missing clients are logged and the
+  round is aggregated with what arrived, or the federation stops; a waiting client ends when
+  the server is gone (server_lost_timeout_s) or silent (client_idle_timeout_s).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 from collections import OrderedDict
 
 import torch
@@ -27,15 +35,16 @@ from federatedscope.core.message import Message
 from federatedscope.core.workers import Client, Server
 from yacs.config import CfgNode as YacsCfgNode
 
+from fs_plugins.core.errors import ConfigError
 from fs_plugins.fs import fs_llm_checkpoint
 from fs_plugins.fs.checkpoints import CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCheckpoints, resume_client
-from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES
+from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES, CLIENT_TRAIN_SIZES
 from fs_plugins.fs.logs import share_fs_logging
-from fs_plugins.fs.secure import plugin_comm_manager
-from fs_plugins.fs.wire import MARKER, WireError, decode_update, encode_tensors, encode_update, encoded_size
+from fs_plugins.fs.secure import UNREADABLE_MSG, plugin_comm_manager
+from fs_plugins.fs.wire import MARKER, decoded_updates, encode_tensors, encode_update, encoded_size
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.run.checkpoint import read_server, server_checkpoint_info, set_rng_state, write_client
+from fs_plugins.run.checkpoint import CheckpointError, read_server, server_checkpoint_info, set_rng_state, write_client
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import Cfg, merge, to_plain
 from fs_plugins.run.results import ResultsLog
@@ -45,6 +54,26 @@ from fs_plugins.run.server import ServerProcedure
 logger = logging.getLogger(__name__)
 
 SAVE_MSG = 'fsplug_save'   # server -> client: the evaluation content; the client saves its model
+JOIN_TYPES = ('join_in', 'join_in_info')
+METRICS_ROW_KEYS = ('round', 'client', 'kind')   # a results row's own keys: no metric's name
+MAX_METRICS = 1000         # per evaluation message (each is a column of results.csv)
+MAX_METRIC_NAME = 200
+MIN_UPDATES = 1            # a round that reaches its deadline is aggregated with at least this many
+PROBE_S = 5.0              # how often a waiting client checks that the server still listens
+MAX_REASON_CHARS = 300     # of a rejection's reason, which may quote what a client sent
+
+
+class MessageTooLarge(RuntimeError):
+    """A message this party would send is over the gRPC limit."""
+
+
+class FederationStopped(SystemExit):
+    """Ends a distributed party's process with this message and exit code 1, no traceback:
+    a round deadline with on_round_timeout: stop, or a client whose server is gone."""
+
+
+# the server's own failures: they end the run rather than being blamed on a client's message
+SERVER_FAILURES = (ConfigError, CheckpointError, MessageTooLarge, OSError)
 
 
 class DeferredModel(torch.nn.Module):
@@ -107,9 +136,49 @@ def check_message_size(cfg, content: dict, what: str) -> None:
     limit = min(int(cfg.distribute.grpc_max_send_message_length),
                 int(cfg.distribute.grpc_max_receive_message_length))
     if size > limit:
-        raise RuntimeError(f'fsplug: {what} is {size / 2**20:.1f} MiB encoded, over the gRPC '
+        raise MessageTooLarge(f'fsplug: {what} is {size / 2**20:.1f} MiB encoded, over the gRPC '
                            f'limit of {limit / 2**20:.1f} MiB (fsplug.distribute.max_message_mb, '
                            f"at most 2047: gRPC's ceiling)")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _quoted(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+def metrics_problem(content) -> str | None:
+    """Why a client's evaluation metrics can be neither logged nor merged (None: they can):
+    FS merges every value with float(), and a results row has its own round/client/kind.
+    NaN and infinity pass: a client whose training diverged reports them honestly."""
+    if not isinstance(content, dict):
+        return f'the metrics are {type(content).__name__}, not a dict of numbers'
+    if len(content) > MAX_METRICS:
+        return f'{len(content)} metrics, over {MAX_METRICS}'
+    for key, value in content.items():
+        if not isinstance(key, str) or key in METRICS_ROW_KEYS or len(key) > MAX_METRIC_NAME:
+            return f'{_quoted(key)} is not a metric name'
+        if not _is_number(value):
+            return f'metric {_quoted(key)} is {_quoted(value)}, not a number'
+    return None
+
+
+def address_problem(content) -> str | None:
+    """Why a join's content is not an address FS can send to ('host:port' or {host, port})."""
+    if isinstance(content, dict):
+        host, port = content.get('host'), content.get('port')
+        if isinstance(host, str) and (_is_int(port) or (isinstance(port, str) and port.isdigit())):
+            return None
+    elif isinstance(content, str) and content.rpartition(':')[2].isdigit():
+        return None
+    return f'the address {_quoted(content)} is not host:port'
 
 
 def _fs_worker_init(cfg):
@@ -153,6 +222,7 @@ class PluginServer(Server):
                              resume_rows=checkpoint['rows'] if checkpoint else None)
         # built after FS's __init__, which may have restored the global state from a checkpoint
         self.procedure = ServerProcedure(config, method, model.state_dict(), results, layout)
+        self.procedure.known_dataset_sizes = dict(CLIENT_TRAIN_SIZES)
         self.procedure.all_client_configs_known = not _is_distributed(config)
         self.checkpoints = ServerCheckpoints(config, self.procedure, run_dir,
                                              checkpoint['round'] if checkpoint else -1)
@@ -165,6 +235,11 @@ class PluginServer(Server):
         self.register_handlers(CHECKPOINTED_MSG, self.callback_funcs_for_checkpointed, [None])
         self._round_receivers: list[int] = []   # of the latest training round (none: not started)
         self._finish_sent = False
+        self._deadline: float | None = None      # time.monotonic() of the round's deadline
+        self._eval_round: int | None = None      # the round whose evaluation was asked for last
+        self._eval_receivers: set[int] = set()
+        self._eval_answered: set[int] = set()
+        self._eval_merged = True
 
     def register_noise_injector(self, func):
         """FS's runner registers NbAFL's broadcast noise for nbafl.use; it would clip and
@@ -188,8 +263,12 @@ class PluginServer(Server):
                 self.sampler.change_state(receivers, 'working')
         else:
             receivers = client_ids
+        if msg_type == 'evaluate':
+            self._eval_round, self._eval_receivers = self.state - 1, set(receivers)
+            self._eval_answered, self._eval_merged = set(), False
         # evaluation content belongs to the round just done
         self._send_content(msg_type, receivers, self.state if training else self.state - 1)
+        self._start_deadline()
 
     def _send_content(self, msg_type: str, receivers, round_idx: int) -> None:
         training = msg_type == 'model_para'
@@ -216,19 +295,259 @@ class PluginServer(Server):
         return False
 
     def _wait_for_checkpoints(self) -> None:
-        """Distributed: the final checkpoint's answers arrive after FS's loop has ended."""
+        """Distributed: the final checkpoint's answers arrive after FS's loop has ended; a
+        client that has not answered by the round deadline leaves its rounds incomplete."""
+        self._start_deadline()
         while self.checkpoints.pending:
-            message = self.comm_manager.receive()
-            self.msg_handlers[message.msg_type](message)
+            message = self.comm_manager.receive(timeout=self._seconds_to_deadline())
+            if message is not None:
+                self._dispatch(message)
+                continue
+            for round_idx, (_, _, waiting) in sorted(self.checkpoints.pending.items()):
+                logger.warning(f'fsplug: checkpoint of round {round_idx} abandoned: no answer '
+                               f'from clients {sorted(waiting)} within '
+                               f'fsplug.distribute.round_timeout_s ({self._round_timeout():g} s)')
+            self.checkpoints.pending.clear()
+
+    # ------------------------------------------------------------ distributed: the loop
+    def run(self):
+        """FS's distributed loop (join, then rounds), with every message through `_dispatch`
+        and the round deadline; standalone runs never call it (FS's runner dispatches)."""
+        while self.join_in_client_num < self.client_num:
+            self._dispatch(self.comm_manager.receive())
+        while self.state <= self.total_round_num:
+            message = self.comm_manager.receive(timeout=self._seconds_to_deadline())
+            if message is None:
+                self._on_round_deadline()
+            else:
+                self._dispatch(message)
+        self.terminate(msg_type='finish')
+
+    def _dispatch(self, message):
+        """One client message, checked before its handler runs; a bad one, or one whose
+        handler raises, is a rejection naming the client and the federation goes on. An
+        error after the round has moved on, or one of SERVER_FAILURES, is the server's own
+        and ends the run."""
+        verdict, why = self._triage(message)
+        if verdict == 'ignore':
+            logger.warning(f'fsplug: {why}; ignored')
+            return False
+        if verdict == 'reject':
+            self._reject(message, why)
+            return False
+        round_before = self.state
+        try:
+            return self.msg_handlers[message.msg_type](message)
+        except SERVER_FAILURES:
+            raise
+        except Exception as exc:
+            if self.state != round_before:
+                raise
+            logger.exception(f'fsplug: the {message.msg_type!r} message of client '
+                             f'{message.sender} failed')
+            self._forget(message)
+            self._reject(message, f'{type(exc).__name__}: {exc}')
+            return False
+
+    def _reject(self, message, why: str) -> None:
+        sender = message.sender if _is_int(message.sender) else -1
+        what = message.msg_type if isinstance(message.msg_type, str) else '?'
+        reason = f'{_quoted(what, 40)} message: {why}'
+        self.procedure.reject(self.state, sender, reason[:MAX_REASON_CHARS])
+
+    def _forget(self, message) -> None:
+        """What a failed handler may have buffered of the message, so that no later
+        aggregation or merge uses it."""
+        for by_round in self.msg_buffer.values():
+            by_round.get(message.state, {}).pop(message.sender, None)
+        if message.msg_type == 'metrics':
+            self._eval_answered.discard(message.sender)
+
+    # ------------------------------------------------------------ distributed: checks
+    def _triage(self, message) -> tuple[str, str]:
+        """('accept', ''), ('ignore', why): late, or ('reject', why)."""
+        problem = self._envelope_problem(message)
+        if problem:
+            return 'reject', problem
+        check = {'model_para': self._update_verdict, 'metrics': self._metrics_verdict,
+                 'join_in': self._join_verdict,
+                 'join_in_info': self._join_info_verdict}.get(message.msg_type)
+        return check(message) if check else ('accept', '')
+
+    def _envelope_problem(self, message) -> str | None:
+        msg_type, sender = message.msg_type, message.sender
+        if msg_type == UNREADABLE_MSG:
+            return str(message.content)
+        if not isinstance(msg_type, str) or msg_type not in self.msg_handlers:
+            return f'the type {_quoted(msg_type)} is not one the server handles'
+        if not _is_int(sender):
+            return f'the sender {_quoted(sender)} is not a client id'
+        if msg_type in JOIN_TYPES:
+            if sender != -1 and not 1 <= sender <= self.client_num:
+                return f'client id {sender} is not one of 1 .. {self.client_num}'
+        elif sender not in self.comm_manager.neighbors:
+            return f'client {sender} has not joined'
+        if not _is_int(message.state):
+            return f'the round {_quoted(message.state)} is not an integer'
+        timestamp = message.timestamp
+        if not _is_number(timestamp) or not math.isfinite(timestamp) or \
+                timestamp < self.cur_timestamp:
+            return (f"the timestamp {_quoted(timestamp)} is not a number at or above the "
+                    f"server's ({self.cur_timestamp})")
+        # FS's clock is simulated; a client may not move it (one huge timestamp would make
+        # every honest message after it 'lower')
+        message.timestamp = self.cur_timestamp
+        return None
+
+    def _update_verdict(self, message) -> tuple[str, str]:
+        round_idx, sender = message.state, message.sender
+        if not (isinstance(message.content, (list, tuple)) and len(message.content) == 2):
+            return 'reject', 'an update is (num_samples, tensors)'
+        if round_idx < self.state:
+            return 'ignore', (f'late update of client {sender} for round {round_idx} (round '
+                              f'{self.state} is in progress)')
+        if round_idx > self.state or self.state >= self.total_round_num:
+            return 'reject', f'an update for round {round_idx}, which is not in progress'
+        if sender not in self._round_receivers:
+            return 'reject', f'client {sender} was not sampled for round {round_idx}'
+        if sender in self.msg_buffer['train'].get(round_idx, {}):
+            return 'reject', f'a second update for round {round_idx}'
+        return 'accept', ''
+
+    def _metrics_verdict(self, message) -> tuple[str, str]:
+        round_idx, sender = message.state, message.sender
+        problem = metrics_problem(message.content)
+        if problem:
+            return 'reject', problem
+        if self._eval_round is None:
+            return 'reject', 'no evaluation was asked for'
+        if round_idx < self._eval_round:
+            return 'ignore', f'late metrics of client {sender} for round {round_idx}'
+        if round_idx > self._eval_round or sender not in self._eval_receivers:
+            return 'reject', f'metrics for round {round_idx}, which was not asked of client {sender}'
+        if sender in self._eval_answered:
+            return 'reject', f'second metrics for round {round_idx}'
+        return 'accept', ''
+
+    def _join_verdict(self, message) -> tuple[str, str]:
+        problem = address_problem(message.content)
+        return ('reject', problem) if problem else ('accept', '')
+
+    def _join_info_verdict(self, message) -> tuple[str, str]:
+        """Only the answer to FS's ask_for_join_in_info: FS's handler starts the federation
+        again on any (its round's content would go out twice)."""
+        asked = bool(self._cfg.federate.join_in_info) and not self._round_receivers
+        if not asked or message.sender not in self.comm_manager.neighbors:
+            return 'reject', 'join information that was not asked for'
+        if not isinstance(message.content, dict):
+            return 'reject', 'join information is not a dict'
+        return 'accept', ''
+
+    # ------------------------------------------------------------ distributed: deadline
+    def _round_timeout(self) -> float:
+        return float(self._cfg.fsplug.distribute.round_timeout_s)
+
+    def _start_deadline(self) -> None:
+        limit = self._round_timeout()
+        self._deadline = time.monotonic() + limit if limit > 0 else None
+
+    def _seconds_to_deadline(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def _missing_updates(self) -> list[int]:
+        if self.state >= self.total_round_num:
+            return []
+        arrived = self.msg_buffer['train'].get(self.state, {})
+        return [cid for cid in self._round_receivers if cid not in arrived]
+
+    def _missing_metrics(self) -> list[int]:
+        return [] if self._eval_merged else sorted(self._eval_receivers - self._eval_answered)
+
+    def _on_round_deadline(self) -> None:
+        """The round's time is up: the missing clients are logged, then the round goes on
+        with what arrived (on_round_timeout: aggregate) or the federation stops."""
+        self._deadline = None
+        updates, metrics = self._missing_updates(), self._missing_metrics()
+        if not updates and not metrics:
+            return
+        limit = f'fsplug.distribute.round_timeout_s ({self._round_timeout():g} s)'
+        if updates:
+            logger.warning(f'fsplug: round {self.state}: no update within {limit} from '
+                           f'clients {updates}')
+        if metrics:
+            logger.warning(f'fsplug: round {self._eval_round}: no metrics within {limit} '
+                           f'from clients {metrics}')
+        if self._cfg.fsplug.distribute.on_round_timeout == 'stop':
+            self._stop(f'round {self.state} missed its deadline ({limit}; '
+                       f'fsplug.distribute.on_round_timeout: stop)')
+        if metrics:
+            self._merge_metrics_arrived()
+        if updates and not self.is_finish:
+            self._aggregate_arrived(updates, limit)
+
+    def _merge_metrics_arrived(self) -> None:
+        self.msg_buffer['eval'].setdefault(self._eval_round, {})
+        self.check_and_move_on(check_eval_result=True, min_received_num=len(self._eval_answered))
+
+    def _aggregate_arrived(self, missing: list[int], limit: str) -> None:
+        arrived = len(self.msg_buffer['train'].get(self.state, {}))
+        if arrived < MIN_UPDATES:
+            self._stop(f'round {self.state}: no update arrived within {limit}; nothing to '
+                       f'aggregate')
+        for cid in missing:
+            self.procedure.reject(self.state, cid, f'no update within {limit}')
+        try:
+            self.check_and_move_on(min_received_num=arrived)
+        except SERVER_FAILURES:
+            raise
+        except Exception as exc:
+            logger.exception(f'fsplug: round {self.state} cannot be aggregated')
+            self._stop(f'round {self.state} cannot be aggregated ({type(exc).__name__}: {exc})')
+
+    def _merge_and_format_eval_results(self):
+        self._eval_merged = True
+        return super()._merge_and_format_eval_results()
+
+    def merge_eval_results_from_all_clients(self):
+        """FS's summary of the clients' metrics; in distributed mode one that FS cannot
+        compute (metric sets that differ between clients, a split without its '_total') is
+        left out with a warning: results.jsonl holds every client's metrics either way."""
+        if not _is_distributed(self._cfg):
+            return super().merge_eval_results_from_all_clients()
+        try:
+            return super().merge_eval_results_from_all_clients()
+        except Exception as exc:   # any inconsistency among the metrics the clients sent
+            logger.warning(f"fsplug: round {self._eval_round}: FS's summary of the clients' "
+                           f'metrics cannot be made ({type(exc).__name__}: {exc}); '
+                           f"results.jsonl has each client's")
+            return {}
+
+    def _stop(self, reason: str) -> None:
+        """Ends the federation now: the clients get 'finish', the results so far are
+        written, and this process exits with `reason`."""
+        logger.error(f'fsplug: {reason}; the federation stops')
+        self._send_finish()
+        self.procedure.results.close()
+        raise FederationStopped(f'fsplug: the server stopped the federation: {reason}')
+
+    def _send_finish(self, msg_type: str = 'finish') -> None:
+        self._finish_sent = self.is_finish = True
+        self.comm_manager.send(Message(
+            msg_type=msg_type, sender=self.ID,
+            receiver=list(self.comm_manager.neighbors.keys()), state=self.state,
+            timestamp=self.cur_timestamp, content={MARKER: 1}))
 
     def callback_funcs_for_join_in(self, message):
         """A client process that was restarted joins again under its id: it gets the current
         round's training content if its update is still awaited (it restores its checkpoint
         when that content arrives)."""
         sender = int(message.sender)
-        rejoining = (bool(self._round_receivers) and 'info' not in message.msg_type
-                     and sender in self.comm_manager.get_neighbors())
-        if not rejoining:
+        joined = 'info' not in message.msg_type and sender in self.comm_manager.get_neighbors()
+        if joined and not self._round_receivers:   # FS would count it twice and start early
+            self.comm_manager.add_neighbors(neighbor_id=sender, address=message.content)
+            logger.warning(f'fsplug: client {sender} joined again before the start')
+            return False
+        if not joined:
             return super().callback_funcs_for_join_in(message)
         self.comm_manager.add_neighbors(neighbor_id=sender, address=message.content)
         logger.warning(f'fsplug: client {sender} rejoined in round {self.state}')
@@ -240,15 +559,7 @@ class PluginServer(Server):
         return False
 
     def _decoded_updates(self, buffer: dict) -> list:
-        """The round's updates; one that cannot be decoded is rejected, the rest go on."""
-        updates = []
-        for cid, received in buffer.items():
-            try:
-                num_samples, content = received
-                updates.append(decode_update(cid, num_samples, content))
-            except (WireError, TypeError, ValueError) as exc:
-                self.procedure.reject(self.state, int(cid), f'undecodable update: {exc}')
-        return updates
+        return decoded_updates(buffer, lambda cid, reason: self.procedure.reject(self.state, cid, reason))
 
     def _perform_federated_aggregation(self):
         updates = self._decoded_updates(self.msg_buffer['train'][self.state])
@@ -270,6 +581,7 @@ class PluginServer(Server):
                                rounds_done - 1)
 
     def callback_funcs_for_metrics(self, message):
+        self._eval_answered.add(message.sender)
         self.procedure.results.log_eval(int(message.state), int(message.sender),
                                         dict(message.content))
         return super().callback_funcs_for_metrics(message)
@@ -282,12 +594,8 @@ class PluginServer(Server):
             self._ask_checkpoint(self.total_round_num - 1)
             if _is_distributed(self._cfg):
                 self._wait_for_checkpoints()
-        self.is_finish = True
         self._monitor.finish_fl()
-        self.comm_manager.send(Message(
-            msg_type=msg_type, sender=self.ID,
-            receiver=list(self.comm_manager.neighbors.keys()), state=self.state,
-            timestamp=self.cur_timestamp, content={MARKER: 1}))
+        self._send_finish(msg_type)
         _log_traffic(self)
         summary = self.procedure.results.close()
         print(f'\nPer-client results ({self._cfg.fsplug.method}, FederatedScope '
@@ -396,3 +704,43 @@ class PluginClient(Client):
         result = super().callback_funcs_for_finish(message)
         _log_traffic(self)
         return result
+
+    # ------------------------------------------------------------ distributed: the loop
+    def run(self):
+        """FS's distributed client loop, waiting through `_next_message` (which ends the
+        process when the server is gone or silent for too long)."""
+        server = self.comm_manager.neighbors[self.server_id]
+        logger.info(f'fs-plugins: client {self.ID} joined the server at {server}')
+        while True:
+            message = self._next_message(server)
+            if message.msg_type not in self.msg_handlers:
+                logger.warning(f'fsplug: client {self.ID}: ignored a message of type '
+                               f'{_quoted(message.msg_type)} ({_quoted(message.content)})')
+                continue
+            if self.state <= message.state:
+                self.msg_handlers[message.msg_type](message)
+            if message.msg_type == 'finish':
+                return
+
+    def _next_message(self, server: str):
+        opts = self._cfg.fsplug.distribute
+        lost_after, idle_after = float(opts.server_lost_timeout_s), float(opts.client_idle_timeout_s)
+        waiting_since, unreachable_since = time.monotonic(), None
+        while True:
+            message = self.comm_manager.receive(timeout=min(PROBE_S, lost_after / 2 or PROBE_S))
+            if message is not None:
+                return message
+            now = time.monotonic()
+            if idle_after and now - waiting_since >= idle_after:
+                raise FederationStopped(
+                    f'fsplug: client {self.ID}: no message from the server at {server} for '
+                    f'{idle_after:g} s (fsplug.distribute.client_idle_timeout_s); ending')
+            if not lost_after or self.comm_manager.reachable(self.server_id):
+                unreachable_since = None
+                continue
+            unreachable_since = unreachable_since or now
+            if now - unreachable_since >= lost_after:
+                raise FederationStopped(
+                    f'fsplug: client {self.ID}: the server at {server} has not accepted '
+                    f'connections for {lost_after:g} s: it has stopped or is unreachable '
+                    f'(fsplug.distribute.server_lost_timeout_s); ending')

@@ -28,7 +28,8 @@ def is_plugin_data_type(value) -> bool:
 # fixed value sets, owned here; the code that implements them reads them from here
 DTYPE_NAMES = ('float32', 'bfloat16', 'float16')          # torch dtypes of the frozen base
 QUANTIZATIONS = ('none', '8bit', '4bit')                   # bitsandbytes bases
-PROMPT_TEMPLATES = ('alpaca', 'plain')                     # fs_plugins.data.instruction
+PROMPT_TEMPLATES = ('alpaca', 'plain', 'fs_llm')           # fs_plugins.data.instruction
+RECORD_FIELDS = ('instruction', 'input', 'output', 'category')   # of instruction records
 TASK_ORDERS = ('sorted', 'rotated')                        # fs_plugins.data.stream
 HEAD_MODES = ('local', 'shared')                           # fs_plugins.models.classifier
 
@@ -165,8 +166,24 @@ class DataOptions:
                                    "these, before max_records and the split ([] = all; e.g. "
                                    "easyvqa's task 'yes_no')")
     max_records: int = option(0, 'cap on records read from the file, before the split (0 = all)', ge=0)
-    prompt: str = option('alpaca', 'prompt template of instruction records (multimodal records use '
-                                   "their model's own format)", choices=PROMPT_TEMPLATES)
+    prompt: str = option('', "prompt template of instruction records ('' = the data source's "
+                             "own: fs_llm for FS-LLM's '@llm' data, alpaca otherwise). fs_llm "
+                             "is FS-LLM's LLMDataset prompt byte for byte: the Alpaca text "
+                             "ending in '### Response:' with no newline, the answer right "
+                             'after it, and the with-input form whenever the record has an '
+                             "input other than '' (a null input, e.g. gsm8k's, shows as "
+                             "'None'), so adapters work with FS-LLM's chat and eval tools; "
+                             'alpaca ends in a newline and drops empty or null inputs. '
+                             "Multimodal records use their model's own format",
+                        choices=('',) + PROMPT_TEMPLATES)
+    fields: dict[str, str] = option({}, "record fields read under other names: the record's "
+                                        "field (value) for each of the plugin's (key), e.g. "
+                                        '{instruction: question, output: answer, input: '
+                                        "context, category: topic}; for '@fsplug' files and "
+                                        "FS-LLM's '<file>.json@llm' / '<file>.jsonl@llm' "
+                                        '(FS-LLM\'s named datasets have their own mapping). A '
+                                        'mapped field missing from a record is an error',
+                                    choices=RECORD_FIELDS)
     split_from_records: bool = option(False, "train / val / test from the records' own 'split' "
                                              'field (test_fraction and val_fraction unused)')
     task_field: str = option('', "record field naming each record's task (PFL-Dynamic); '' = none")
@@ -208,8 +225,27 @@ class EvalOptions:
 
 
 AGGREGATION_WEIGHTS = ('dataset_size', 'processed', 'uniform')
+ROBUST_AVERAGES = ('weighted', 'median', 'trimmed_mean')   # fs_plugins.aggregation.robust
 LR_SCHEDULE_SCOPES = ('run', 'round')
 LOCAL_COMPUTE = ('equal_steps', 'matched')
+
+
+@dataclass
+class RobustOptions:
+    average: str = option('weighted', "how every method's shared tensors are averaged: "
+                                      "'weighted' (Σ p_k x_k), 'median' (coordinate-wise, as "
+                                      "Flower's FedMedian) or 'trimmed_mean' (coordinate-wise, "
+                                      'without the trim_fraction largest and smallest values, '
+                                      "as Flower's FedTrimmedAvg); median and trimmed_mean are "
+                                      'unweighted and refused by methods whose aggregation is '
+                                      'not an average (e.g. hetlora, fed_a2, flame)',
+                          choices=ROBUST_AVERAGES)
+    trim_fraction: float = option(0.2, "trimmed_mean: the fraction of the round's clients "
+                                       'dropped at each end of every coordinate '
+                                       '(int(fraction · clients))', ge=0, lt=0.5)
+    clip_norm: float = option(0.0, "each client update's delta (against the content it was "
+                                   'sent) is scaled down to this L2 norm before aggregation, '
+                                   'for every method (0 = no clipping)', ge=0)
 
 
 @dataclass
@@ -224,6 +260,12 @@ class AggregationOptions:
                                            'homogeneous aggregation, as FedMosaic runs its '
                                            'baselines on heterogeneous clients); a client '
                                            'receives its group\'s content once it has reported')
+    max_dataset_size: int = option(0, "cap on the training-set size a client reports, for its "
+                                      "'dataset_size' weight, where the server does not know "
+                                      "the size of the client's split (where it does, that size "
+                                      'is the cap); 0 = no cap', ge=0)
+    robust: RobustOptions = section(RobustOptions, 'aggregation that bounds what one untrusted '
+                                                   'client can do to the global state')
 
 
 @dataclass
@@ -273,10 +315,16 @@ class CheckpointOptions:
 
 @dataclass
 class ValidationOptions:
-    max_update_norm: float = option(1.0e5, 'a client update whose shared tensors have a larger '
-                                           'L2 norm (all together) is rejected (0 = no bound); '
-                                           'non-finite values, missing, unexpected or misshapen '
-                                           'tensors are always rejected', ge=0)
+    max_update_norm: float = option(1.0e5, 'a client update whose shared tensors changed by a '
+                                           'larger L2 norm (all together, against the content '
+                                           'the client was sent) is rejected (0 = no bound); '
+                                           'non-finite values, missing, unexpected, misshapen or '
+                                           'mistyped tensors are always rejected', ge=0)
+    max_extra_norm: float = option(1.0e9, "a client update whose floating-point extra payload "
+                                          "(a method's counts, control variates, scores; not "
+                                          'integer ids) has a larger L2 norm (all together) is '
+                                          'rejected (0 = no bound; counts grow with the tokens '
+                                          'of a round, hence the higher default)', ge=0)
 
 
 @dataclass
@@ -305,6 +353,30 @@ class DistributeOptions:
     connect_timeout_s: float = option(120.0, 'FS distributed mode: how long a client retries a '
                                              'server it cannot reach (it may start first) before '
                                              'it fails naming the address', gt=0)
+    round_timeout_s: float = option(3600.0, 'FS distributed mode, the server: seconds a round '
+                                            '(its updates, and the metrics of an evaluation '
+                                            'sent with it) may take from when its content is '
+                                            'sent; then the missing clients are logged and '
+                                            'on_round_timeout applies. 0 waits for ever',
+                                    ge=0)
+    on_round_timeout: str = option('aggregate', 'after round_timeout_s: aggregate (the updates '
+                                                'that arrived, at least one, else the server '
+                                                'stops; each missing client gets a rejected '
+                                                'row; an update arriving later is ignored) or '
+                                                'stop (the server ends the federation with a '
+                                                'message)', choices=('aggregate', 'stop'))
+    server_lost_timeout_s: float = option(120.0, 'FS distributed mode, a client: while it waits '
+                                                 'for the server it checks every few seconds '
+                                                 "that the server's port still accepts "
+                                                 'connections, and ends, naming the address, '
+                                                 'once it has not for this long. 0 never checks',
+                                          ge=0)
+    client_idle_timeout_s: float = option(0.0, 'FS distributed mode, a client: ends once it has '
+                                               'waited this long for a message from the server, '
+                                               'even a reachable one. 0 (default): no limit, as '
+                                               'a client not sampled for rounds, or waiting '
+                                               "through the others' long rounds, is idle by "
+                                               'design', ge=0)
 
 
 @dataclass
