@@ -162,6 +162,46 @@ def test_rogue_client_pickles_are_never_unpickled(tmp_path):
     assert {r['client'] for r in rows if r['kind'] == 'train'} == {1, 2}
 
 
+def test_an_enrolled_rogue_client_neither_crashes_nor_steers_the_federation(tmp_path):
+    """Issue 41 live, over TLS + tokens: client 3 holds its own valid token and forges its
+    update with a different attack every round (tests/rogue_client.py ATTACKS), and sends an
+    unknown message type, non-dict metrics and a stale timestamp every round. Each update is
+    rejected naming client 3, the honest clients train every round, the run finishes, and the
+    global adapter stays what honest training makes it (finite, small)."""
+    from rogue_client import ATTACKS
+    rounds = len(ATTACKS)
+    federation = LocalFederation(_config(tmp_path, 'attacked', method='fedavg', clients=3,
+                                         rounds=rounds, steps=2),
+                                 env=_env(ROGUE_MODE='attacks'), secure='token')
+    server, *honest, rogue = federation.parties
+    try:
+        federation.start(server)
+        federation.wait_listening(server, 120)
+        for party in honest:
+            federation.start(party)
+        federation.start(rogue, command=[sys.executable, os.path.join(TESTS_DIR, 'rogue_client.py'),
+                                         'unused', '--cfg', rogue.cfg_path])
+        federation.follow(timeout=600)
+    finally:
+        federation.stop_all()
+    rows = _rows(federation.run_dir)
+    rejected = [(r['round'], r['reason']) for r in rows if r['kind'] == 'rejected']
+    for round_idx, (name, _, reason) in enumerate(ATTACKS):
+        assert any(t == round_idx and reason in why for t, why in rejected), (name, rejected)
+    for bad_message in ("type 'fsplug_bogus' is not one the server handles",
+                        'the metrics are str, not a dict', 'the timestamp -1000000000.0'):
+        assert sum(bad_message in why for _, why in rejected) >= rounds - 1, (bad_message, rejected)
+    assert {(r['round'], r['client']) for r in rows if r['kind'] == 'train' and r['client'] != 3} == \
+        {(t, c) for t in range(rounds) for c in (1, 2)}
+    assert 'Traceback' not in _log(federation, 'server')
+    import safetensors.torch
+    global_dir = os.path.join(federation.run_dir, 'adapters', 'global')
+    tensors = [t for f in os.listdir(global_dir) if f.endswith('.safetensors')
+               for t in safetensors.torch.load_file(os.path.join(global_dir, f)).values()]
+    assert tensors and all(t.dtype == torch.float32 and t.isfinite().all() and t.abs().max() < 10
+                           for t in tensors)
+
+
 def _lora_update(rank=128, layers=32, hidden=4096):
     """LLaVA-1.5-7B's language model with LoRA r=128 on q_proj and v_proj: 268 MB in float32."""
     from fs_plugins.methods.base import ClientUpdate

@@ -39,8 +39,12 @@ def test_generated_certificates_name_the_party_and_chain_to_the_ca(creds_dir):
         assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == name
         cert.verify_directly_issued_by(ca)
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ['127.0.0.1']
-        assert sans.get_values_for_type(x509.DNSName) == ['localhost']
+        if name == 'server':   # the hosts, and a name no client's certificate carries
+            assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ['127.0.0.1']
+            assert sans.get_values_for_type(x509.DNSName) == ['fsplug-server', 'localhost']
+        else:
+            assert sans.get_values_for_type(x509.DNSName) == [f'fsplug-client-{name[-1]}']
+            assert not sans.get_values_for_type(x509.IPAddress)
     for name in ('ca.key', 'server.key', 'client_1.key', 'client_1.token', 'client_tokens.yaml'):
         assert stat.S_IMODE(os.stat(os.path.join(creds_dir, name)).st_mode) == 0o600, name
     with open(os.path.join(creds_dir, 'client_tokens.yaml')) as handle:

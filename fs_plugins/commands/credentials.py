@@ -9,8 +9,13 @@ Files in the output folder:
 - ca.pem: every party's `tls_ca`; ca.key signs more certificates and stays with whoever
   runs the federation;
 - server.pem / server.key and client_<k>.pem / client_<k>.key: each party's `tls_cert` /
-  `tls_key`; common name 'server' or 'client_<k>' (what `auth: certificate` checks), subject
-  alternative names the `hosts` given (the addresses the parties reach each other at);
+  `tls_key`; common name 'server' or 'client_<k>' (what `auth: certificate` checks). Roles are
+  told apart by a subject alternative name only that party's certificate carries
+  (`party_host_name`: 'fsplug-server', 'fsplug-client-<k>'), which the others dial it as, so a
+  client's certificate cannot pass as the server's. The server's also names the `hosts` given;
+  no client's does. Every party both listens and dials (FS's server sends to the clients' ports),
+  so every certificate has both extended key usages, serverAuth and clientAuth (TLS enforces
+  them per direction);
 - client_tokens.yaml: the server's `client_tokens`; client_<k>.token: client k's `token_file`.
 What each party needs on disk is `party_files` of its name.
 """
@@ -22,6 +27,8 @@ import ipaddress
 import os
 import secrets
 import stat
+
+from fs_plugins.fs.secure import SERVER_ID, party_host_name
 
 CA_NAME = 'fs-plugins federation CA'
 
@@ -53,9 +60,11 @@ def _alt_names(hosts):
 
 
 def issue_certificate(common_name: str, hosts, ca_key=None, ca_cert=None, days: int = 365):
-    """(key, certificate): signed by (ca_key, ca_cert), or a self-signed CA when they are None."""
+    """(key, certificate): signed by (ca_key, ca_cert), or a self-signed CA when they are None;
+    `hosts`: its subject alternative names."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID
     key = _key()
     now = datetime.datetime.now(datetime.timezone.utc)
     is_ca = ca_key is None
@@ -68,7 +77,9 @@ def issue_certificate(common_name: str, hosts, ca_key=None, ca_cert=None, days: 
                .not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
     if not is_ca:
-        builder = builder.add_extension(_alt_names(hosts), critical=False)
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        builder = (builder.add_extension(_alt_names(hosts), critical=False)
+                   .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
     return key, builder.sign(key if is_ca else ca_key, hashes.SHA256())
 
 
@@ -130,8 +141,8 @@ def make_credentials(out_dir: str, client_ids, hosts=('127.0.0.1', 'localhost'),
     _write(os.path.join(out_dir, 'ca.pem'), _pem(cert=ca_cert))
     if keep_ca_key:
         _write(os.path.join(out_dir, 'ca.key'), _pem(key=ca_key))
-    for name in ['server'] + [f'client_{k}' for k in client_ids]:
-        key, cert = issue_certificate(name, hosts, ca_key, ca_cert, days)
+    for name, alt_names in _party_alt_names(client_ids, hosts):
+        key, cert = issue_certificate(name, alt_names, ca_key, ca_cert, days)
         _write(os.path.join(out_dir, name + '.pem'), _pem(cert=cert))
         _write(os.path.join(out_dir, name + '.key'), _pem(key=key))
     tokens = {int(k): secrets.token_urlsafe(32) for k in client_ids}
@@ -139,6 +150,13 @@ def make_credentials(out_dir: str, client_ids, hosts=('127.0.0.1', 'localhost'),
     for k, token in tokens.items():
         _write(os.path.join(out_dir, f'client_{k}.token'), token.encode())
     return out_dir
+
+
+def _party_alt_names(client_ids, hosts):
+    """(common name, subject alternative names) of each party's certificate."""
+    yield 'server', [party_host_name(SERVER_ID), *hosts]
+    for k in client_ids:
+        yield f'client_{k}', [party_host_name(int(k))]
 
 
 def party_files(name: str, auth: str) -> list[str]:

@@ -16,8 +16,21 @@ Who may send (`fsplug.distribute.auth`); every FS message names its sender:
   k's token; a client accepts only messages from the server (id 0) with its own token.
 - certificate: mutual TLS; the sender's certificate common name must be 'server' for id 0 and
   'client_<k>' for id k.
-A refused message is dropped before FS sees it (a warning on the receiver); the sender gets
-UNAUTHENTICATED and fails with the reason.
+Every message also carries its sender id as metadata (`SENDER_METADATA`). The check runs before
+the body is read (`_AuthInterceptor`): the token on the metadata alone, in the interceptor; the
+certificate from the TLS auth context, before the request is pulled from the stream. A refused
+call is answered UNAUTHENTICATED (a warning on the receiver, the sender fails with the reason)
+and its body is never read, decompressed or parsed. An accepted one is parsed, and its message
+must name the sender it was authenticated as (`_CheckedServeFunc`).
+
+Bodies are bounded: no listener lets gRPC decompress (a compressed body is inflated by
+`inflated` only after the check, to at most the receive limit), and the server's receive limit
+is sized from its model (`received_message_bound`).
+
+Identity of the receiver: with TLS a party dials the server as `party_host_name(0)` and client k
+as `party_host_name(k)`, names that only that party's certificate carries
+(`fs-plugins credentials`), so a token is never sent to a listener holding another party's
+certificate: the TLS handshake fails first.
 """
 from __future__ import annotations
 
@@ -28,6 +41,7 @@ import logging
 import socket
 import threading
 import time
+import zlib
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -39,12 +53,20 @@ from fs_plugins.fs.ports import free_ports
 logger = logging.getLogger(__name__)
 
 TOKEN_METADATA = 'fsplug-token'
+SENDER_METADATA = 'fsplug-sender'
 SERVER_ID = 0
 MIN_TOKEN_CHARS = 16
 LOOPBACK = ('127.0.0.1', 'localhost', '::1')
 RETRY_S = 1.0
 PROBE_CONNECT_S = 3.0
 UNREADABLE_MSG = 'fsplug_unreadable'   # what `receive` makes of a request FS cannot parse
+# the server's receive limit: an update's shared tensors, an extra payload as large (SCAFFOLD's
+# control variates) and as much again for a client whose architecture shares more, base64-encoded
+RECEIVE_FACTOR = 3
+RECEIVE_MARGIN = 16 * 2 ** 20   # safetensors and JSON headers, metrics, FS's envelope
+# a compressed body, passed up as is (no listener lets gRPC decompress): gzip's magic number or
+# zlib's header byte; an FS MessageRequest (field 1 only) starts with 0x0a
+COMPRESSED_PREFIXES = (b'\x1f\x8b', b'\x78')
 
 
 @dataclass
@@ -62,6 +84,37 @@ class Credentials:
 
 def party_name(party_id: int) -> str:
     return 'the server' if party_id == SERVER_ID else f'client {party_id}'
+
+
+def party_host_name(party_id: int) -> str:
+    """The DNS name in party `party_id`'s certificate only, which the others dial it as."""
+    return 'fsplug-server' if party_id == SERVER_ID else f'fsplug-client-{party_id}'
+
+
+def tensor_bytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def received_message_bound(global_bytes: int, ceiling: int) -> int:
+    """The server's gRPC receive limit in bytes: the largest legitimate message (a client's
+    update of a global state of `global_bytes`, see RECEIVE_FACTOR) plus RECEIVE_MARGIN, at
+    most `ceiling` (fsplug.distribute.max_message_mb as FS's limit)."""
+    return min(RECEIVE_FACTOR * global_bytes * 4 // 3 + RECEIVE_MARGIN, int(ceiling))
+
+
+def inflated(body: bytes, limit: int) -> bytes:
+    """`body` decompressed when gzip/deflate-compressed (else as is), refusing more than
+    `limit` bytes without inflating further."""
+    if not body.startswith(COMPRESSED_PREFIXES):
+        return body
+    inflater = zlib.decompressobj(wbits=32 + zlib.MAX_WBITS)   # zlib or gzip header
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise ValueError(f'a compressed message that does not inflate ({exc})') from None
+    if len(data) > limit or inflater.unconsumed_tail:
+        raise ValueError(f'the message inflates to over {limit} bytes (the receive limit)')
+    return data
 
 
 # ------------------------------------------------------------------ reading and checking
@@ -197,8 +250,18 @@ def _sender_of(request):
         return None
 
 
-def _metadata_value(context, key: str) -> str:
-    for name, value in context.invocation_metadata() or ():
+def _claimed_sender(metadata_or_context):
+    """The sender id in a call's metadata (None: absent or not an integer)."""
+    metadata = (metadata_or_context.invocation_metadata()
+                if hasattr(metadata_or_context, 'invocation_metadata') else metadata_or_context)
+    try:
+        return int(_metadata_lookup(metadata, SENDER_METADATA))
+    except ValueError:
+        return None
+
+
+def _metadata_lookup(metadata, key: str) -> str:
+    for name, value in metadata or ():
         if name == key:
             return value if isinstance(value, str) else value.decode('utf-8', errors='replace')
     return ''
@@ -211,7 +274,12 @@ def _common_name(context) -> str:
 
 def _is_handshake_failure(error) -> bool:
     details = str(error.details()).lower()
-    return 'handshake' in details or 'ssl' in details
+    return 'handshake' in details or 'ssl' in details or _is_wrong_identity(error)
+
+
+def _is_wrong_identity(error) -> bool:
+    """The listener's certificate is valid but not the dialled party's (`party_host_name`)."""
+    return 'hostname verification' in str(error.details()).lower()
 
 
 class CredentialsRefused(RuntimeError):
@@ -231,6 +299,14 @@ class _CheckedServeFunc:
         self.refused = 0
         self._arrived = threading.Condition()
 
+    def refuse(self, context, sender, reason: str) -> None:
+        """Aborts the call UNAUTHENTICATED (raises), with a warning naming the peer."""
+        self.refused += 1
+        logger.warning(f'fsplug: refused a message claiming to come from '
+                       f'{party_name(sender) if isinstance(sender, int) else "?"} '
+                       f'(peer {context.peer()}): {reason}')
+        context.abort(self._grpc.StatusCode.UNAUTHENTICATED, reason)
+
     def receive(self, timeout: float | None = None):
         """The next request; None when `timeout` seconds pass without one."""
         with self._arrived:
@@ -239,19 +315,63 @@ class _CheckedServeFunc:
             return self.msg_queue.popleft()
 
     def sendMessage(self, request, context):
-        sender = _sender_of(request)
-        reason = refusal(self.credentials, sender, _metadata_value(context, TOKEN_METADATA),
-                         _common_name(context))
-        if reason:
-            self.refused += 1
-            logger.warning(f'fsplug: refused a message claiming to come from '
-                           f'{party_name(sender) if isinstance(sender, int) else "?"} '
-                           f'(peer {context.peer()}): {reason}')
-            context.abort(self._grpc.StatusCode.UNAUTHENTICATED, reason)
+        # `_AuthInterceptor` authenticated the sender named in the metadata; the message
+        # must be from that sender, or one client's token could send under another's id
+        sender, claimed = _sender_of(request), _claimed_sender(context)
+        if self.credentials.auth != 'none' and sender != claimed:
+            self.refuse(context, claimed, f'the message names sender {sender!r}, but the call '
+                                          f'was authenticated as {party_name(claimed)}')
         with self._arrived:
             response = super().sendMessage(request, context)
             self._arrived.notify()
         return response
+
+
+class _AuthInterceptor:
+    """Who sends is checked before the body is read: every call is served as a stream whose
+    one request is pulled only once the sender is accepted, so a refused call's body is never
+    read, decompressed or parsed (FS's request deserializer does not run). The token is checked
+    on the metadata here; the certificate (the TLS auth context is not in the metadata) first
+    thing in the call. Mixed into grpc.ServerInterceptor by `comm_classes`, which sets `_grpc`."""
+    _grpc = None
+
+    def __init__(self, credentials: Credentials, servicer, receive_limit: int):
+        self.credentials = credentials
+        self.servicer = servicer                # a CheckedServeFunc: counts and logs refusals
+        self.receive_limit = receive_limit
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        claimed = _claimed_sender(details.invocation_metadata)
+        reason = None
+        if self.credentials.auth == 'token':
+            token = _metadata_lookup(details.invocation_metadata, TOKEN_METADATA)
+            reason = refusal(self.credentials, claimed, token, '')
+        if reason:
+            return self._grpc.stream_unary_rpc_method_handler(
+                functools.partial(self._refused_call, claimed, reason))
+        return self._grpc.stream_unary_rpc_method_handler(
+            functools.partial(self._checked_call, handler, claimed),
+            response_serializer=handler.response_serializer)
+
+    def _refused_call(self, claimed, reason: str, request_stream, context):
+        self.servicer.refuse(context, claimed, reason)
+
+    def _checked_call(self, handler, claimed, request_stream, context):
+        if self.credentials.auth == 'certificate':
+            reason = refusal(self.credentials, claimed, '', _common_name(context))
+            if reason:
+                self.servicer.refuse(context, claimed, reason)
+        body = next(request_stream, None)
+        if body is None:
+            context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, 'no message was sent')
+        try:
+            body = inflated(body, self.receive_limit)
+        except ValueError as exc:
+            context.abort(self._grpc.StatusCode.INVALID_ARGUMENT, f'refused: {exc}')
+        return handler.unary_unary(handler.request_deserializer(body), context)
 
 
 class _PluginCommManager:
@@ -261,12 +381,14 @@ class _PluginCommManager:
     its sender; a server that cannot reach a client warns and goes on (as FS: the client
     may rejoin). Mixed into FS's gRPCCommManager by `comm_classes`, which sets `_grpc`,
     `_pb2_grpc` (FS's generated gRPC module) and `_serve_func` (the checked servicer)."""
-    _grpc = _pb2_grpc = _serve_func = None
+    _grpc = _pb2_grpc = _serve_func = _interceptor = None
 
     def __init__(self, credentials: Credentials, connect_timeout_s: float,
+                 receive_limit: int | None = None,
                  host='0.0.0.0', port='50050', client_num=2, cfg=None):
         self.credentials = credentials
         self.connect_timeout_s = connect_timeout_s
+        self.receive_limit = int(receive_limit or cfg.grpc_max_receive_message_length)
         self._channels: dict = {}
         self._channel_options = [
             ('grpc.max_send_message_length', cfg.grpc_max_send_message_length),
@@ -283,8 +405,15 @@ class _PluginCommManager:
     # ---------------------------------------------------------------- receiving
     def serve(self, max_workers, host, port, options):
         self.server_funcs = self._serve_func(self.credentials)
-        server = self._grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                                   compression=self.comp_method, options=options)
+        options = [option for option in options
+                   if option[0] != 'grpc.max_receive_message_length']
+        options += [('grpc.max_receive_message_length', self.receive_limit),
+                    ('grpc.per_message_decompression', 0)]   # `inflated`, after the check
+        server = self._grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers), compression=self.comp_method,
+            options=options,
+            interceptors=[self._interceptor(self.credentials, self.server_funcs,
+                                            self.receive_limit)])
         self._pb2_grpc.add_gRPCComServeFuncServicer_to_server(self.server_funcs, server)
         self._add_port(server, f'{host}:{port}')
         server.start()
@@ -338,23 +467,28 @@ class _PluginCommManager:
         request = message.transform(to_list=True)
         for receiver in receivers:
             if receiver in self.neighbors:
-                self._deliver(receiver, request, message.msg_type)
+                self._deliver(receiver, request, message.msg_type, message.sender)
 
-    def _deliver(self, receiver, request, msg_type: str) -> None:
+    def _deliver(self, receiver, request, msg_type: str, sender) -> None:
         address = self.neighbors[receiver]
-        metadata = self._metadata(receiver)
+        metadata = self._metadata(receiver, sender)
         retry_until = time.monotonic() + (self.connect_timeout_s
                                           if self.credentials.role == 'client' else 0)
         while True:
             try:
-                self._stub(address).sendMessage(request, metadata=metadata)
+                self._stub(address, receiver).sendMessage(request, metadata=metadata)
                 self.sent_messages += 1
                 self.sent_bytes += request.ByteSize()
                 return
             except self._grpc.RpcError as error:
                 self._close_channel(address)
-                if not self._retry_after(error, f'{party_name(receiver)} at {address}',
-                                         msg_type, retry_until):
+                what = f'{party_name(receiver)} at {address}'
+                if _is_wrong_identity(error):
+                    what += (f" (its certificate is not {party_name(receiver)}'s: it lacks the "
+                             f'name {party_host_name(receiver)}; nothing was sent. Certificates '
+                             f'made before role names: make them again with fs-plugins '
+                             f'credentials)')
+                if not self._retry_after(error, what, msg_type, retry_until):
                     return
                 time.sleep(RETRY_S)
 
@@ -377,25 +511,30 @@ class _PluginCommManager:
         logger.warning(f'fsplug: {msg_type!r} not delivered to {what} ({reason})')
         return False
 
-    def _metadata(self, receiver) -> tuple:
+    def _metadata(self, receiver, sender) -> tuple:
+        metadata = ((SENDER_METADATA, str(sender)),)
         if self.credentials.auth != 'token':
-            return ()
+            return metadata
         token = (self.credentials.own_token if self.credentials.role == 'client'
                  else self.credentials.client_tokens.get(receiver, ''))
-        return ((TOKEN_METADATA, token),)
+        return metadata + ((TOKEN_METADATA, token),)
 
-    def _stub(self, address: str):
+    def _stub(self, address: str, receiver):
         if address not in self._channels:
-            channel = self._open_channel(address)
+            channel = self._open_channel(address, receiver)
             self._channels[address] = (self._pb2_grpc.gRPCComServeFuncStub(channel), channel)
         return self._channels[address][0]
 
-    def _open_channel(self, address: str):
+    def _open_channel(self, address: str, receiver):
         if self.credentials.tls:
             ca, cert, key = self.credentials.tls
+            # the handshake fails unless the listener's certificate is `receiver`'s own, so
+            # no token goes to another party listening at its address
+            options = self._channel_options + [
+                ('grpc.ssl_target_name_override', party_host_name(receiver))]
             return self._grpc.secure_channel(
                 address, self._grpc.ssl_channel_credentials(ca, key, cert),
-                options=self._channel_options, compression=self.comp_method)
+                options=options, compression=self.comp_method)
         return self._grpc.insecure_channel(address, options=self._channel_options,
                                            compression=self.comp_method)
 
@@ -420,19 +559,24 @@ def comm_classes():
     """(CheckedServeFunc, PluginCommManager), built on FS's classes (imported on first use)."""
     grpc, fs_comm_manager, fs_serve_func, pb2_grpc = _grpc_parts()
     serve_func = _on_fs_class(_CheckedServeFunc, fs_serve_func, 'CheckedServeFunc', _grpc=grpc)
+    interceptor = _on_fs_class(_AuthInterceptor, grpc.ServerInterceptor, 'AuthInterceptor',
+                               _grpc=grpc)
     comm_manager = _on_fs_class(_PluginCommManager, fs_comm_manager, 'PluginCommManager',
-                                _grpc=grpc, _pb2_grpc=pb2_grpc, _serve_func=serve_func)
+                                _grpc=grpc, _pb2_grpc=pb2_grpc, _serve_func=serve_func,
+                                _interceptor=interceptor)
     return serve_func, comm_manager
 
 
-def comm_manager_factory(cfg):
-    """What FS's workers call instead of gRPCCommManager(host=, port=, client_num=, cfg=)."""
+def comm_manager_factory(cfg, receive_limit: int | None = None):
+    """What FS's workers call instead of gRPCCommManager(host=, port=, client_num=, cfg=);
+    `receive_limit`: bytes its port accepts in one message (None: FS's
+    distribute.grpc_max_receive_message_length)."""
     return functools.partial(comm_classes()[1], read_credentials(cfg),
-                             float(cfg.fsplug.distribute.connect_timeout_s))
+                             float(cfg.fsplug.distribute.connect_timeout_s), receive_limit)
 
 
 def party_comm_manager(role: str, distribute: dict | None = None, host: str = '127.0.0.1',
-                       port: int | None = None):
+                       port: int | None = None, receive_limit: int | None = None):
     """The plugin's comm manager of one party outside an FS worker, on FS's defaults with
     `distribute` as its fsplug.distribute and gRPC limits raised as a run raises them (for
     tools and tests that talk to a federation directly); listening on a free port unless
@@ -443,16 +587,17 @@ def party_comm_manager(role: str, distribute: dict | None = None, host: str = '1
     cfg.distribute.role = role
     cfg.fsplug.distribute.update(distribute or {})
     raise_grpc_limits(cfg)
-    return comm_manager_factory(cfg)(host=host, port=port or free_ports(1, host)[0],
-                                     client_num=1, cfg=cfg.distribute)
+    factory = comm_manager_factory(cfg, receive_limit)
+    return factory(host=host, port=port or free_ports(1, host)[0], client_num=1,
+                   cfg=cfg.distribute)
 
 
 @contextlib.contextmanager
-def plugin_comm_manager(cfg):
+def plugin_comm_manager(cfg, receive_limit: int | None = None):
     """While FS's Server/Client __init__ runs, its gRPCCommManager is the plugin's."""
     import federatedscope.core.workers.client as fs_client  # lazy: FS loads on first use
     import federatedscope.core.workers.server as fs_server  # lazy: FS loads on first use
-    factory = comm_manager_factory(cfg)
+    factory = comm_manager_factory(cfg, receive_limit)
     saved = fs_server.gRPCCommManager, fs_client.gRPCCommManager
     fs_server.gRPCCommManager = fs_client.gRPCCommManager = factory
     try:

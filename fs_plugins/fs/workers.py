@@ -40,7 +40,7 @@ from fs_plugins.fs import fs_llm_checkpoint
 from fs_plugins.fs.checkpoints import CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCheckpoints, resume_client
 from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES, CLIENT_TRAIN_SIZES
 from fs_plugins.fs.logs import share_fs_logging
-from fs_plugins.fs.secure import UNREADABLE_MSG, plugin_comm_manager
+from fs_plugins.fs.secure import UNREADABLE_MSG, plugin_comm_manager, received_message_bound, tensor_bytes
 from fs_plugins.fs.wire import MARKER, decoded_updates, encode_tensors, encode_update, encoded_size
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
@@ -181,10 +181,11 @@ def address_problem(content) -> str | None:
     return f'the address {_quoted(content)} is not host:port'
 
 
-def _fs_worker_init(cfg):
+def _fs_worker_init(cfg, receive_limit: int | None = None):
     """Around FS's worker __init__: in distributed mode it builds the plugin's gRPC comm
-    manager (TLS, authentication; fs_plugins.fs.secure)."""
-    return plugin_comm_manager(cfg) if _is_distributed(cfg) else contextlib.nullcontext()
+    manager (TLS, authentication, `receive_limit` bytes a message; fs_plugins.fs.secure)."""
+    return (plugin_comm_manager(cfg, receive_limit) if _is_distributed(cfg)
+            else contextlib.nullcontext())
 
 
 def _log_traffic(worker) -> None:
@@ -212,7 +213,9 @@ class PluginServer(Server):
             config, method, layout, shared, resume_dir or results_dir(config, outdir_is_final=True)))
         if checkpoint:
             state = checkpoint['round'] + 1
-        with _fs_worker_init(config):
+        receive_limit = received_message_bound(
+            tensor_bytes(shared), config.distribute.grpc_max_receive_message_length)
+        with _fs_worker_init(config, receive_limit):
             super().__init__(ID, state, config, data, model, client_num, total_round_num,
                              device, strategy, unseen_clients_id, **kwargs)
         model.serve_fs_checkpoints(self.aggregator)   # federate.save_to files
