@@ -162,7 +162,8 @@ def test_rogue_client_pickles_are_never_unpickled(tmp_path):
     assert {r['client'] for r in rows if r['kind'] == 'train'} == {1, 2}
 
 
-def test_an_enrolled_rogue_client_neither_crashes_nor_steers_the_federation(tmp_path):
+@pytest.mark.parametrize('method', ['fedavg', 'scaffold'])   # scaffold: control variates as extras
+def test_an_enrolled_rogue_client_neither_crashes_nor_steers_the_federation(tmp_path, method):
     """Issue 41 live, over TLS + tokens: client 3 holds its own valid token and forges its
     update with a different attack every round (tests/rogue_client.py ATTACKS), and sends an
     unknown message type, non-dict metrics and a stale timestamp every round. Each update is
@@ -170,7 +171,7 @@ def test_an_enrolled_rogue_client_neither_crashes_nor_steers_the_federation(tmp_
     global adapter stays what honest training makes it (finite, small)."""
     from rogue_client import ATTACKS
     rounds = len(ATTACKS)
-    federation = LocalFederation(_config(tmp_path, 'attacked', method='fedavg', clients=3,
+    federation = LocalFederation(_config(tmp_path, 'attacked', method=method, clients=3,
                                          rounds=rounds, steps=2),
                                  env=_env(ROGUE_MODE='attacks'), secure='token')
     server, *honest, rogue = federation.parties
