@@ -214,7 +214,8 @@ class PluginServer(Server):
         if checkpoint:
             state = checkpoint['round'] + 1
         receive_limit = received_message_bound(
-            tensor_bytes(shared), config.distribute.grpc_max_receive_message_length)
+            tensor_bytes(shared), config.distribute.grpc_max_receive_message_length) \
+            if _is_distributed(config) else None
         with _fs_worker_init(config, receive_limit):
             super().__init__(ID, state, config, data, model, client_num, total_round_num,
                              device, strategy, unseen_clients_id, **kwargs)
