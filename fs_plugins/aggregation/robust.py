@@ -50,12 +50,6 @@ def active_average() -> RobustAverage:
     return _ACTIVE.get() or WEIGHTED
 
 
-def robust_setting(cfg) -> RobustAverage:
-    """The RobustAverage of a config's fsplug.aggregation.robust."""
-    robust = cfg.fsplug.aggregation.robust
-    return RobustAverage(str(robust.average), float(robust.trim_fraction))
-
-
 # ------------------------------------------------------------------ coordinate-wise averages
 def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The clients' values along a new first axis, in float32 at least (float64 stays)."""

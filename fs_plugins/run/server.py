@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fs_plugins.aggregation.average import capped_dataset_size, client_weights
-from fs_plugins.aggregation.robust import clip_update, robust_averaging, robust_setting
+from fs_plugins.aggregation.robust import RobustAverage, clip_update, robust_averaging
 from fs_plugins.aggregation.signature import tensor_signature
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
@@ -54,7 +54,8 @@ class ServerProcedure:
         problems = robust_problems(type(method), cfg)
         if problems:
             raise ConfigError(problems)
-        self.robust = robust_setting(cfg)
+        robust = cfg.fsplug.aggregation.robust
+        self.robust = RobustAverage(str(robust.average), float(robust.trim_fraction))
         use_deterministic_algorithms(bool(cfg.fsplug.train.deterministic))
         results.client_groups = method.client_groups
         self.state = method.init_server_state(initial_shared)
