@@ -135,13 +135,8 @@ def test_client_killed_mid_round_rejoins_from_its_checkpoint(tmp_path):
     assert _rows(federation.run_dir) == _rows(str(tmp_path / 'uninterrupted'))
 
 
-def test_rogue_client_pickles_are_never_unpickled(tmp_path):
-    """Client 3 sends pickles that would create a file when unpickled, as a `shared/` value and
-    as the whole payload: the file never appears, each is rejected naming client 3, and the
-    run completes with the honest clients."""
-    marker = tmp_path / 'pwned'
-    federation = LocalFederation(_config(tmp_path, 'rogue', method='fedavg', clients=3, rounds=2),
-                                 env=_env())
+def _run_with_rogue_last(federation, marker: str, timeout: float) -> None:
+    """Runs `federation` with its last client as tests/rogue_client.py (argument `marker`)."""
     server, *honest, rogue = federation.parties
     try:
         federation.start(server)
@@ -149,10 +144,20 @@ def test_rogue_client_pickles_are_never_unpickled(tmp_path):
         for party in honest:
             federation.start(party)
         federation.start(rogue, command=[sys.executable, os.path.join(TESTS_DIR, 'rogue_client.py'),
-                                         str(marker), '--cfg', rogue.cfg_path])
-        federation.follow(timeout=300)
+                                         marker, '--cfg', rogue.cfg_path])
+        federation.follow(timeout=timeout)
     finally:
         federation.stop_all()
+
+
+def test_rogue_client_pickles_are_never_unpickled(tmp_path):
+    """Client 3 sends pickles that would create a file when unpickled, as a `shared/` value and
+    as the whole payload: the file never appears, each is rejected naming client 3, and the
+    run completes with the honest clients."""
+    marker = tmp_path / 'pwned'
+    federation = LocalFederation(_config(tmp_path, 'rogue', method='fedavg', clients=3, rounds=2),
+                                 env=_env())
+    _run_with_rogue_last(federation, str(marker), timeout=300)
     assert not marker.exists()
     rows = _rows(federation.run_dir)
     rejected = [r for r in rows if r['kind'] == 'rejected']
@@ -174,17 +179,7 @@ def test_an_enrolled_rogue_client_neither_crashes_nor_steers_the_federation(tmp_
     federation = LocalFederation(_config(tmp_path, 'attacked', method=method, clients=3,
                                          rounds=rounds, steps=2),
                                  env=_env(ROGUE_MODE='attacks'), secure='token')
-    server, *honest, rogue = federation.parties
-    try:
-        federation.start(server)
-        federation.wait_listening(server, 120)
-        for party in honest:
-            federation.start(party)
-        federation.start(rogue, command=[sys.executable, os.path.join(TESTS_DIR, 'rogue_client.py'),
-                                         'unused', '--cfg', rogue.cfg_path])
-        federation.follow(timeout=600)
-    finally:
-        federation.stop_all()
+    _run_with_rogue_last(federation, 'unused', timeout=600)
     rows = _rows(federation.run_dir)
     rejected = [(r['round'], r['reason']) for r in rows if r['kind'] == 'rejected']
     for round_idx, (name, _, reason) in enumerate(ATTACKS):

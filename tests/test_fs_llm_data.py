@@ -19,9 +19,9 @@ from fs_plugins.data.instruction import (
     load_records,
     tokenize_record,
 )
-from fs_plugins.methods.specs import model_spec, reads_data_type
+from fs_plugins.methods.specs import model_spec
 from fs_plugins.run.config import Cfg, load_config
-from fs_plugins.schema.plugin import DataOptions
+from fs_plugins.schema.plugin import DataOptions, reads_data_type
 from fs_plugins.schema.specs import DataSource, SplitSpec
 
 WITH_INPUT = ('Below is an instruction that describes a task, paired with an input that '

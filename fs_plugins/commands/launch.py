@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from fs_plugins.commands.credentials import make_credentials, party_distribute
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.fs.ports import free_ports
-from fs_plugins.methods.specs import reads_data_type
 from fs_plugins.run.config import load_config, merge, parse_opts, read_yaml
 from fs_plugins.run.runtime import build_federated_records, results_dir
+from fs_plugins.schema.plugin import reads_data_type
 
 LAUNCH_DIR = 'launch'
 ROUND_LINE = re.compile(r'training (?:round )?\(Round #(\d+)\)')   # FS's server log, 0-based

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fs_plugins.fs.config import fs_known_keys
 from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.methods.registry import get_method_class
-from fs_plugins.methods.specs import reads_data_type
 from fs_plugins.run.config import client_overrides
 from fs_plugins.run.runtime import build_federated_records, resolved_override
+from fs_plugins.schema.plugin import reads_data_type
 
 # client id -> name (source dataset), for result labels on the server of this process
 CLIENT_NAMES: dict[int, str] = {}

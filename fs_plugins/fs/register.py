@@ -17,7 +17,7 @@ import federatedscope.register as fs_register  # imported by FS's config module 
 from fs_plugins.fs.config import extend_cfg, install_checked_merges, install_error_report
 from fs_plugins.fs.metrics import register_named_metrics
 from fs_plugins.metrics.generation_metrics import GENERATION_METRICS
-from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX, MODEL_TYPE_SUFFIX, PLUGIN_NAME, is_plugin_data_type
+from fs_plugins.schema.plugin import MODEL_TYPE_SUFFIX, PLUGIN_NAME, reads_data_type
 
 logger = logging.getLogger(__name__)
 _REGISTERED = False
@@ -55,16 +55,8 @@ def lookup_model(model_cfg, input_shape):
     return None
 
 
-def reads_data(config) -> bool:
-    """Whether the plugin's data layer builds this config's data: '@fsplug' always, FS-LLM's
-    '@llm' only with fsplug.method set (a native FS-LLM run keeps FS-LLM's own loader)."""
-    data_type = str(config.data.type)
-    plugin_on = 'fsplug' in config and bool(config.fsplug.method)
-    return data_type.endswith('@' + DATA_TYPE_SUFFIX) or (plugin_on and is_plugin_data_type(data_type))
-
-
 def lookup_data(config, client_cfgs):
-    if reads_data(config):
+    if reads_data_type(config):
         load_fs_modules()
         from fs_plugins.fs.data import lookup_data as plugin_data  # lazy: the plugin's runtime
         return plugin_data(config, client_cfgs)

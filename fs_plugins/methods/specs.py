@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from fs_plugins.schema.options import build, to_plain
-from fs_plugins.schema.plugin import DATA_TYPE_SUFFIX, FS_LLM_DATA_SUFFIX, DataOptions, ModelOptions
-from fs_plugins.schema.specs import DataSource, ModelSpec, SplitSpec, location_of, suffix_of
+from fs_plugins.schema.plugin import DataOptions, ModelOptions
+from fs_plugins.schema.specs import DataSource, ModelSpec, SplitSpec, location_of
 
 
 def device_for(cfg) -> str:
@@ -25,16 +25,6 @@ def data_source(cfg) -> DataSource:
 def prompt_template(cfg) -> str:
     """fsplug.data.prompt, '' resolved to the data source's own template."""
     return str(cfg.fsplug.data.prompt) or data_source(cfg).own_prompt
-
-
-def reads_data_type(cfg) -> bool:
-    """Whether the plugin reads data.type: its own '@fsplug' always, FS-LLM's '@llm' when an
-    fsplug method runs (otherwise FS-LLM's own loader reads it)."""
-    suffix = suffix_of(str(cfg.data.type))
-    if suffix == DATA_TYPE_SUFFIX:
-        return True
-    plugin = cfg.get('fsplug') or {}
-    return suffix == FS_LLM_DATA_SUFFIX and bool(plugin.get('method'))
 
 
 def model_spec(cfg) -> ModelSpec:

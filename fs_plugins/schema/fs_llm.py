@@ -259,17 +259,6 @@ def assign(tree: dict, key: str, value) -> None:
     node[leaf] = value
 
 
-def merge_plain(base: Mapping, layer: Mapping) -> dict:
-    """`layer` merged onto a copy of `base` (nested dicts)."""
-    out = copy.deepcopy(dict(base))
-    for key, value in layer.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge_plain(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def changed_leaves(before: Mapping, after: Mapping) -> dict:
     """{dotted key: value} of the leaves of `after` that differ from `before`."""
     return {key: value for key, value in leaves(after) if lookup(before, key, _MISSING) != value}

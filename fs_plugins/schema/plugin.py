@@ -20,6 +20,15 @@ FS_LLM_TRAINER = 'llmtrainer'            # trainer.type
 FS_LLM_METHOD = 'fedavg'                 # federate.method (FS's FedAvg, any case)
 
 
+def reads_data_type(cfg) -> bool:
+    """Whether the plugin's data layer reads this config's data.type: its own '@fsplug' always,
+    FS-LLM's '@llm' only when an fsplug method runs (a native FS-LLM run keeps FS-LLM's loader)."""
+    data_type = str(cfg.data.type)
+    plugin = cfg.get('fsplug') or {}
+    return data_type.endswith('@' + DATA_TYPE_SUFFIX) or \
+        (bool(plugin.get('method')) and is_plugin_data_type(data_type))
+
+
 def is_plugin_data_type(value) -> bool:
     """data.type the plugin reads: its own '@fsplug' or FS-LLM's '@llm' (FS-LLM's files and
     field mapping, fs_plugins.data.fs_llm)."""
