@@ -4,6 +4,8 @@ Configurations (LoRA r=8, alpha=16 on q,k,v,up_proj; Fed-MoLE's routed experts o
   fedavg        FedAvg-LoRA: one LoRA per target, all adapters train every step
   fedmole_n8    Fed-MoLE, N = 8 routed experts, top K = 2
   fedmole_n64   Fed-MoLE, N = 64, K = 2 (cost should track K, not N)
+  *_loop        the same Fed-MoLE model with the previous dispatch, a Python loop over the
+                experts (`per_expert_loop`), step time only: before vs after in one run
 
 Step time: one optimiser step (forward, backward, AdamW) on a fixed random batch, timed the way
 a client trains: Fed-MoLE runs its two ADA phases in turn (steps with routed experts + routers
@@ -25,10 +27,12 @@ count), one local round runs, and VmHWM is read from /proc/self/status.
 Linux only.
 
     python scripts/bench_fedmole.py [--models tiny smollm2] [--batch 4] [--seq-len 128]
+    python scripts/bench_fedmole.py --quick     # tiny model, 2 steps, no memory runs: seconds
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,6 +49,8 @@ sys.path.insert(0, REPO)
 CONFIGS = {'fedavg': ('fedavg', {}),
            'fedmole_n8': ('fedmole', {'num_experts': 8, 'top_k': 2}),
            'fedmole_n64': ('fedmole', {'num_experts': 64, 'top_k': 2})}
+# the previous per-expert-loop dispatch on the configuration it names, timed only
+LOOP_CONFIGS = {'fedmole_n8_loop': 'fedmole_n8', 'fedmole_n64_loop': 'fedmole_n64'}
 MODELS = {'tiny': ('tiny-llama@fsplug_llm', 'tiny_llama'),
           'smollm2': ('smollm2@fsplug_llm', 'smollm2')}
 
@@ -99,20 +105,35 @@ def random_batch(vocab: int, batch: int, seq_len: int) -> dict:
     return {'input_ids': ids, 'attention_mask': torch.ones_like(ids), 'labels': ids.clone()}
 
 
+def use_per_expert_loop(model) -> None:
+    """Switches every routed-expert layer of `model` to the previous dispatch (per instance,
+    so the other configurations in the process keep the grouped one)."""
+    from fs_plugins.tuners.mole import RoutedLoraExperts
+    from fs_plugins.tuners.mole.layer import per_expert_loop
+    layers = [m for m in model.modules() if isinstance(m, RoutedLoraExperts)]
+    if not layers:
+        raise ValueError('use_per_expert_loop: the model has no routed-expert layers')
+    for layer in layers:
+        layer.forward = functools.partial(per_expert_loop, layer)
+
+
 def make_trainer(model_name, config, workdir, batch_size, seq_len, steps_per_round,
                  extra: dict | None = None):
-    model, names, method, cfg = build(model_name, config, workdir, extra)
+    model, names, method, cfg = build(model_name, LOOP_CONFIGS.get(config, config), workdir,
+                                      extra)
+    if config in LOOP_CONFIGS:
+        use_per_expert_loop(model)
     batch = random_batch(model.config.vocab_size, batch_size, seq_len)
     return Trainer(model, names, method, cfg, batch, steps_per_round)
 
 
 def time_steps(args, workdir) -> dict[str, list[float]]:
     trainers = {c: make_trainer(args.model, c, workdir, args.batch, args.seq_len, args.round_steps)
-                for c in CONFIGS}
+                for c in [*CONFIGS, *LOOP_CONFIGS]}
     for trainer in trainers.values():      # warm-up: one ADA round each
         for i in range(args.round_steps):
             trainer.step(i)
-    times = {c: [] for c in CONFIGS}
+    times = {c: [] for c in trainers}
     for _ in range(args.blocks):
         for config, trainer in trainers.items():
             start = time.perf_counter()
@@ -166,20 +187,27 @@ def memory_in_subprocess(args, config: str, script: str = __file__, extra=None) 
 
 
 def report(model_name: str, args, times: dict, memory: dict) -> None:
+    """One row per configuration; memory columns only where `memory` has the configuration
+    (the loop configurations and --quick have none)."""
     base_t = statistics.median(times['fedavg'])
-    base_m = memory['fedavg']
     print(f"\n== {model_name}: batch {args.batch} x {args.seq_len} tokens, {args.blocks} blocks "
           f"x {args.round_steps} steps per config, {torch.get_num_threads()} threads ==")
-    print(f"{'config':<12} {'step ms':>8} {'ratio':>6} {'peak MB':>12} {'ratio':>6} "
+    print(f"{'config':<17} {'step ms':>8} {'ratio':>6} {'peak MB':>12} {'ratio':>6} "
           f"{'train overhead MB':>18} {'ratio':>6}")
-    for config in CONFIGS:
-        t = statistics.median(times[config])
-        m = memory[config]
-        print(f"{config:<12} {1000 * t:>8.1f} {t / base_t:>6.3f} {m['peak_mb']:>12.1f} "
-              f"{m['peak_mb'] / base_m['peak_mb']:>6.3f} {m['overhead_mb']:>18.1f} "
-              f"{m['overhead_mb'] / max(base_m['overhead_mb'], 1e-9):>6.3f}")
-    print("targets: fedmole_n8 step ratio <= 1.25 and peak ratio <= 1.2; "
-          "fedmole_n64 step ratio <= 1.4")
+    for config, samples in times.items():
+        t = statistics.median(samples)
+        row = f"{config:<17} {1000 * t:>8.1f} {t / base_t:>6.3f}"
+        if config in memory and 'fedavg' in memory:
+            m, base_m = memory[config], memory['fedavg']
+            row += (f" {m['peak_mb']:>12.1f} {m['peak_mb'] / base_m['peak_mb']:>6.3f} "
+                    f"{m['overhead_mb']:>18.1f} "
+                    f"{m['overhead_mb'] / max(base_m['overhead_mb'], 1e-9):>6.3f}")
+        print(row)
+    for loop_config, config in LOOP_CONFIGS.items():
+        print(f"{config}: grouped dispatch step / per-expert loop step "
+              f"{statistics.median(times[config]) / statistics.median(times[loop_config]):.3f}")
+    print("targets: fedmole_n8 step ratio <= 1.25 and peak ratio <= 1.2; fedmole_n64 step "
+          "ratio <= 1.4 (tiny) and <= 1.25 (smollm2)")
 
 
 def main() -> None:
@@ -192,8 +220,14 @@ def main() -> None:
     parser.add_argument('--blocks', type=int, default=5, help='interleaved timing blocks')
     # 1 by default: on a shared machine OpenMP threads waiting on a busy core distort timings
     parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--quick', action='store_true',
+                        help='tiny model, batch 1 x 16 tokens, 1 block of 2 steps, no memory '
+                             'runs: seconds (a smoke run, not a measurement)')
     parser.add_argument('--memory-of', default='', help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.models, args.batch, args.seq_len, args.round_steps, args.blocks = (
+            ['tiny'], 1, 16, 2, 1)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as workdir:
         if args.memory_of:
@@ -202,7 +236,7 @@ def main() -> None:
             return
         for model_name in args.models:
             args.model = model_name
-            memory = {c: memory_in_subprocess(args, c) for c in CONFIGS}
+            memory = {} if args.quick else {c: memory_in_subprocess(args, c) for c in CONFIGS}
             report(model_name, args, time_steps(args, workdir), memory)
 
 
