@@ -30,7 +30,7 @@ __all__ = [
     'AlignmentMoments', 'a_alignment_loss_from_moments', 'align_a_from_moments',
     'a_alignment_loss', 'cca_projections', 'cca_from_covariances', 'b_output_cca',
     'canonical_correlations', 'align_b', 'cosine_learning_rate', 'MiniBatchAlignment',
-    'customised_globals',
+    'customised_globals', 'fake_quantise', 'NF4_LEVELS',
 ]
 
 
@@ -120,6 +120,41 @@ def sanitise_gradient(ema_grad: torch.Tensor, mask: torch.Tensor, noise_scale: f
     kept = ema_grad[mask]
     noise = torch.randn(kept.shape, generator=generator, dtype=kept.dtype, device=kept.device)
     return kept + noise_scale * noise
+
+
+# QLoRA's NormalFloat-4 code book (Dettmers et al., 2023, Appendix E; bitsandbytes' nf4 values)
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+              0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+NF4_BLOCK = 64          # QLoRA / bitsandbytes' 4-bit block size
+QUANTISATION_MODES = ('none', '8bit', '4bit')
+
+
+def fake_quantise(weight: torch.Tensor, mode: str) -> torch.Tensor:
+    """The weight a k-bit quantised copy of `weight` computes with (quantised, then
+    dequantised), as bitsandbytes stores it for `fsplug.model.quantization`'s modes:
+    '8bit': LLM.int8's weight quantisation, one absmax scale per output row,
+    round(127 · w / absmax_row) / 127 · absmax_row; '4bit': NF4, blocks of 64 consecutive
+    values (row-major) scaled by their absmax, each value replaced by the nearest NF4 level;
+    'none': `weight` itself. Returns the input's dtype and shape; all-zero rows / blocks stay 0."""
+    if mode == 'none':
+        return weight
+    if mode not in QUANTISATION_MODES:
+        raise ValueError(f'mode must be one of {QUANTISATION_MODES}, got {mode!r}')
+    _check_matrix('weight', weight)
+    w = weight.detach().double()
+    if mode == '8bit':
+        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+        return (torch.round(w / scale * 127) / 127 * scale).to(weight.dtype)
+    flat = w.flatten()
+    pad = (-flat.numel()) % NF4_BLOCK
+    blocks = torch.cat([flat, flat.new_zeros(pad)]).view(-1, NF4_BLOCK)
+    scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    levels = torch.tensor(NF4_LEVELS, dtype=torch.float64)
+    nearest = (blocks / scale).unsqueeze(-1).sub(levels).abs().argmin(dim=-1)
+    out = (levels[nearest] * scale).flatten()[:flat.numel()]
+    return out.view(weight.shape).to(weight.dtype)
 
 
 def _cosine_matrix(vectors: torch.Tensor) -> torch.Tensor:

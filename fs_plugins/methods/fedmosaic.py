@@ -22,7 +22,9 @@ and sends client i its customised global G_i = Σ_j w_ij L_j: P, Q over all clie
 block and module path, 'pq/<block>.<module>/P|Q'), conventional LoRA and any other trained
 tensor only over clients of i's model type (`aggregation.mosaic.customised_globals`).
 Local modules' gates never leave the client. `rela: False` / `pq_lora: False` are the
-paper's ablations (Table 7).
+paper's ablations (Table 7); `rela_model: training` (Table 30), a W_s other than the pivot and
+a k-bit W_s (`small_builder`, `small_model_type`, `small_quantization`, Table 31) and
+`align_a` / `align_b` (Table 32) the appendix's.
 """
 from __future__ import annotations
 
@@ -47,13 +49,21 @@ from fs_plugins.schema.options import Cfg, to_plain
 from fs_plugins.tuners.mosaic.alignment import Pivot, align_to_pivot
 from fs_plugins.tuners.mosaic.layer import GATE_ATTR, MOSAIC_ATTR, MosaicLinear
 from fs_plugins.tuners.mosaic.model import decoder_layer_name, inject_mosaic
-from fs_plugins.tuners.mosaic.rela import RelaGradients, gradient_weight, labelled_tokens, rela_gradient
+from fs_plugins.tuners.mosaic.rela import (
+    RelaGradients,
+    gradient_weight,
+    labelled_tokens,
+    last_block_pq_gradient,
+    last_block_pq_layers,
+    quantise_linear_weights,
+    rela_gradient,
+)
 
 logger = logging.getLogger(__name__)
 
 GRAD_KEY = 'fedmosaic.grad'     # the client's sanitised EMA of W_s last-layer gradients
 ARCH_KEY = 'fedmosaic.arch'     # id of the client's model type (builder + model.type)
-PIVOT_KEY = 'fedmosaic.pivot'   # id of the pivot / W_s the client aligned to and used
+PIVOT_KEY = 'fedmosaic.pivot'   # id of the pivot, W_s and RELA source the client used
 PQ_PREFIX = 'pq/'               # 'pq/<block>.<module>/P|Q': PQ-LoRA tensors across model types
 GATE_NAMES = (f'.{MOSAIC_ATTR}.beta', f'.{GATE_ATTR}.beta')   # per module, per decoder layer
 ALIGNMENT_DIR_NAME = 'fedmosaic_alignment'
@@ -115,6 +125,32 @@ class FedMosaicConfig:
                                     'of a distributed run)')
     pivot_model_type: str = option('', "model.type of the pivot / W_s; '' = the run's model.type. "
                                        'Paper A.3: the smallest client model')
+    rela_model: str = option('small', "the model RELA's gradients come from: small = the "
+                                      'frozen pre-trained W_s (§4.1); training = the '
+                                      "client's training model on the current batch (Table 30 "
+                                      "'Training model gradients', with ema_ratio: 1.0): the "
+                                      "gradients of its last block's PQ-LoRA P, Q, the last "
+                                      "layer's weights whose size and meaning every model type "
+                                      'shares', choices=('small', 'training'))
+    small_builder: str = option('', "builder of RELA's W_s when it is not the pivot (A.20, "
+                                    "Table 31); '' = pivot_builder")
+    small_model_type: str = option('', "model.type of RELA's W_s when it is not the pivot "
+                                       "(Table 31: LLaVA-Qwen-0.5B); '' = pivot_model_type. W_s "
+                                       "reads every client's batches: it needs their tokenizer")
+    small_quantization: str = option('none', "W_s's weights k-bit (A.20, Table 31: 8 / 4 bit): "
+                                             'every linear layer but the output layer quantised '
+                                             'and dequantised as bitsandbytes stores it (8bit: '
+                                             'row-wise absmax int8; 4bit: NF4 in blocks of 64), '
+                                             'simulated on any device', choices=('none', '8bit', '4bit'))
+    align_a: bool = option(True, "fit a non-pivot model's PQ-LoRA A to the pivot's (L2, Eq. 20); "
+                                 "False: A keeps its random orthonormal start (Table 32 'Random' A)")
+    align_b: bool = option(True, "map a non-pivot model's PQ-LoRA B through CCA to the pivot's "
+                                 "(§4.2.2); False: B keeps its random orthonormal start (Table 32 "
+                                 "'Random' B)")
+    local_only: bool = option(False, "SFT on FedMosaic's architecture (Table 29 'SFT (N_B)'): "
+                                     'PQ-LoRA at the N_B block ends, conventional LoRA '
+                                     'elsewhere, trained locally; no gate, no global module, '
+                                     'nothing sent or received, no RELA, no alignment')
     pq_lr: float = option(0.0, "learning rate of the PQ-LoRA layers' trained tensors (P, Q and "
                                'the gates of their decoder layers); 0 = train.optimizer.lr. Paper '
                                '(A.7): 5e-5 for PQ-LoRA, 2e-5 for the other parameters '
@@ -155,7 +191,20 @@ def is_pq_name(name: str) -> bool:
 
 
 _PIVOTS: dict = {}         # pivot config -> alignment.Pivot, one per process
-_SMALL_MODELS: dict = {}   # (builder, model.type, dtype) -> W_s, one frozen copy per process
+_SMALL_BASES: dict = {}    # (builder, model.type, dtype, k-bit) -> W_s, one frozen copy per process
+
+
+def small_base(small_cfg, hparams):
+    """W_s's LoadedBase (model in eval mode, k-bit weights where `small_quantization` says,
+    and its codec), loaded once per process."""
+    key = (small_cfg.fsplug.model.builder, small_cfg.model.type, small_cfg.fsplug.model.dtype,
+           hparams.small_quantization)
+    if key not in _SMALL_BASES:
+        base = load_base(model_spec(small_cfg))
+        quantise_linear_weights(base.model, hparams.small_quantization)
+        base.model.eval()
+        _SMALL_BASES[key] = base
+    return _SMALL_BASES[key]
 
 
 @register_method
@@ -197,6 +246,10 @@ class FedMosaic(Method):
             node.pivot_builder = cfg.fsplug.model.builder
         if not node.pivot_model_type:
             node.pivot_model_type = cfg.model.type
+        if not node.small_builder:
+            node.small_builder = node.pivot_builder
+        if not node.small_model_type:
+            node.small_model_type = node.pivot_model_type
 
     @classmethod
     def config_problems(cls, hparams, cfg):
@@ -208,6 +261,13 @@ class FedMosaic(Method):
         if cfg['fsplug']['aggregation']['per_architecture']:
             problems.append('fsplug.aggregation.per_architecture: FedMosaic shares P, Q across '
                             'architectures itself (RELA); turn it off')
+        if hparams.rela and hparams.rela_model == 'training' and not hparams.pq_lora:
+            problems.append("fsplug.fedmosaic.rela_model = 'training' takes the gradients of the "
+                            "last block's PQ-LoRA P, Q: it needs fsplug.fedmosaic.pq_lora: True")
+        if hparams.small_quantization != 'none' and model['quantization'] != 'none':
+            problems.append(f"fsplug.fedmosaic.small_quantization = "
+                            f"{hparams.small_quantization!r}: W_s is already loaded with "
+                            f"fsplug.model.quantization = {model['quantization']!r}; set one")
         if model['vision']['tower_lora_targets']:
             problems.append("fsplug.model.vision.tower_lora_targets: FedMosaic places PQ-LoRA "
                             "by decoder layer of the language model; leave the vision tower "
@@ -230,14 +290,35 @@ class FedMosaic(Method):
         plain['model']['type'] = self.hparams.pivot_model_type or plain['model']['type']
         return Cfg.wrap(plain)
 
+    def small_config(self, cfg):
+        """The config W_s is loaded from: the pivot's, with `small_builder` / `small_model_type`."""
+        small = self.pivot_config(cfg)
+        small.fsplug.model.builder = self.hparams.small_builder or small.fsplug.model.builder
+        small.model.type = self.hparams.small_model_type or small.model.type
+        return small
+
     def _type_ids(self, cfg) -> tuple[int, int]:
-        pivot = self.pivot_config(cfg)
-        return (model_type_id(cfg.fsplug.model.builder, cfg.model.type),
-                model_type_id(pivot.fsplug.model.builder, pivot.model.type))
+        """(own model type, the run's shared setup: pivot, W_s and its quantisation, RELA's
+        source); the server refuses clients that differ in the second."""
+        pivot, small, hp = self.pivot_config(cfg), self.small_config(cfg), self.hparams
+        setup = model_type_id(pivot.fsplug.model.builder, pivot.model.type)
+        if (small.fsplug.model.builder, small.model.type) != (pivot.fsplug.model.builder,
+                                                                pivot.model.type) \
+                or hp.small_quantization != 'none' or hp.rela_model != 'small':
+            setup = model_type_id(f'{setup}|{small.fsplug.model.builder}|{small.model.type}|'
+                                  f'{hp.small_quantization}|{hp.rela_model}', '')
+        return model_type_id(cfg.fsplug.model.builder, cfg.model.type), setup
+
+    def uses_small_model(self) -> bool:
+        return self.takes_rela_gradient() and self.hparams.rela_model == 'small'
+
+    def takes_rela_gradient(self) -> bool:
+        return self.hparams.rela and not self.hparams.local_only
 
     def is_pivot(self, cfg) -> bool:
-        own, pivot = self._type_ids(cfg)
-        return own == pivot
+        pivot = self.pivot_config(cfg)
+        return (model_type_id(cfg.fsplug.model.builder, cfg.model.type)
+                == model_type_id(pivot.fsplug.model.builder, pivot.model.type))
 
     # ------------------------------------------------------------------- model
     def adapt_model(self, model, cfg):
@@ -246,7 +327,7 @@ class FedMosaic(Method):
             model.fedmosaic_pq = inject_mosaic(model, hp.num_blocks, hp.placement, hp.q_init_std,
                                                derive_seed(cfg.seed, 'fedmosaic-init'),
                                                gate=hp.gate, pq_scale=hp.pq_scale,
-                                               pq_lora=hp.pq_lora)
+                                               pq_lora=hp.pq_lora, local_only=hp.local_only)
         except ValueError as exc:
             raise ConfigError(f"fsplug.fedmosaic.num_blocks = {hp.num_blocks} does not fit "
                               f"model.type '{cfg.model.type}': {exc}") from None
@@ -261,11 +342,20 @@ class FedMosaic(Method):
         """A non-pivot model aligns its PQ-LoRA A, B to the pivot's (cached). A model built on
         the meta device (shapes only, `fs-plugins estimate`) is not aligned: alignment changes
         values, not shapes."""
-        if self.is_pivot(cfg) or not self.hparams.pq_lora or next(model.parameters()).is_meta:
+        if next(model.parameters()).is_meta:
+            return
+        if self.uses_small_model():
+            small_cfg = self.small_config(cfg)
+            if model_type_id(small_cfg.fsplug.model.builder, small_cfg.model.type) != \
+                    model_type_id(cfg.fsplug.model.builder, cfg.model.type):
+                check_same_tokenizer(codec, small_base(small_cfg, self.hparams).codec, cfg,
+                                     small_cfg)
+        hp = self.hparams
+        if (self.is_pivot(cfg) or not hp.pq_lora or hp.local_only
+                or not (hp.align_a or hp.align_b)):
             return
         pivot_cfg = self.pivot_config(cfg)
         pivot = self.pivot_of(pivot_cfg)
-        check_same_tokenizer(codec, pivot.codec, cfg, pivot_cfg)
         try:
             align_to_pivot(model, codec, model_spec(cfg), pivot, str(pivot_cfg.model.type), self.hparams)
         finally:
@@ -288,19 +378,16 @@ class FedMosaic(Method):
                              mask_seed=derive_seed(cfg.seed, 'fedmosaic-mask'),
                              noise_seed=derive_seed(cfg.seed, 'fedmosaic-noise', self.client_id),
                              order=hp.sanitise_order)
-        return {'rela': rela, 'small_cfg': self.pivot_config(cfg), 'type_ids': self._type_ids(cfg)}
+        return {'rela': rela, 'small_cfg': self.small_config(cfg), 'type_ids': self._type_ids(cfg)}
 
     def small_model(self, state, device):
-        """W_s on `device`: the pivot's frozen pre-trained model, loaded once per process."""
-        cfg = state['small_cfg']
-        key = (cfg.fsplug.model.builder, cfg.model.type, cfg.fsplug.model.dtype, str(device))
-        if key not in _SMALL_MODELS:
-            _SMALL_MODELS[key] = load_base(model_spec(cfg)).model.to(device).eval()
-        return _SMALL_MODELS[key]
+        """W_s on `device`: the frozen pre-trained model (k-bit where small_quantization says),
+        loaded once per process."""
+        return small_base(state['small_cfg'], self.hparams).model.to(device)
 
     def loss(self, model, batch, state):
         rela = state['rela']
-        if self.hparams.rela and rela.due():
+        if self.uses_small_model() and rela.due():
             small = self.small_model(state, batch['input_ids'].device)
             try:
                 rela.record(rela_gradient(small, batch, self.hparams.gradient_layer),
@@ -313,6 +400,12 @@ class FedMosaic(Method):
                                  f"(and image processor)") from exc
         return model(**batch).loss
 
+    def before_optimizer_step(self, model, state):
+        """rela_model = training: the step's gradients of the last block's P, Q (Table 30)."""
+        rela = state['rela']
+        if self.takes_rela_gradient() and self.hparams.rela_model == 'training' and rela.due():
+            rela.record(last_block_pq_gradient(model, model.fedmosaic_pq))
+
     def after_step(self, model, state):
         state['rela'].end_step()
 
@@ -324,9 +417,14 @@ class FedMosaic(Method):
                          | {f'{decoder_layer_name(path)}.{GATE_ATTR}.' for path in model.fedmosaic_pq})
         return {n: self.hparams.pq_lr for n in trainable_names if n.startswith(prefixes)}
 
+    def is_shared(self, name: str) -> bool:
+        return not self.hparams.local_only
+
     def shared_tensors(self, model, trainable_names):
         """Conventional LoRA (and other trained tensors) under their names; P, Q of PQ-LoRA
-        under 'pq/<block>.<module>/P|Q'; the gates β stay local."""
+        under 'pq/<block>.<module>/P|Q'; the gates β stay local (local_only: nothing)."""
+        if self.hparams.local_only:
+            return {}
         trainable = set(trainable_names)
         pq = model.fedmosaic_pq
         out = {}
@@ -342,16 +440,20 @@ class FedMosaic(Method):
     def extra_payload_shapes(self, model, cfg):
         """The model-type ids, and RELA's sanitised gradient: N_s of W_s's chosen weight."""
         shapes = {ARCH_KEY: ((), torch.int64), PIVOT_KEY: ((), torch.int64)}
-        if self.hparams.rela:
-            small = load_base(model_spec(self.pivot_config(cfg))).model
-            weight = gradient_weight(small, self.hparams.gradient_layer)
-            shapes[GRAD_KEY] = (max(1, round(self.hparams.gradient_keep * weight.numel())),)
+        if self.takes_rela_gradient():
+            if self.hparams.rela_model == 'training':
+                r = int(cfg.fsplug.model.lora.r)
+                numel = len(last_block_pq_layers(model.fedmosaic_pq)) * (r * r + r)
+            else:
+                small = load_base(model_spec(self.small_config(cfg))).model
+                numel = gradient_weight(small, self.hparams.gradient_layer).numel()
+            shapes[GRAD_KEY] = (max(1, round(self.hparams.gradient_keep * numel)),)
         return shapes
 
     def client_extra(self, model, state):
         own, pivot = state['type_ids']
         extra = {ARCH_KEY: torch.tensor(own), PIVOT_KEY: torch.tensor(pivot)}
-        if self.hparams.rela:
+        if self.takes_rela_gradient():
             extra[GRAD_KEY] = state['rela'].end_round()
         return extra
 
@@ -359,7 +461,7 @@ class FedMosaic(Method):
         """The mean gate σ(β) over the model's gates (each per-layer gate once)."""
         betas = {}
         for module in model.modules():
-            if isinstance(module, MosaicLinear):
+            if isinstance(module, MosaicLinear) and not module.mosaic.local_only:
                 beta = module.mosaic.beta_parameter()
                 betas[id(beta)] = beta
         gates = [float(torch.sigmoid(b.detach())) for b in betas.values()]
@@ -420,7 +522,7 @@ class FedMosaic(Method):
     def aggregate(self, server_state, updates):
         state = {key: dict(value) if isinstance(value, dict) else value
                  for key, value in server_state.items()}
-        rela = self.hparams.rela
+        rela = self.takes_rela_gradient()
         for update in updates:
             missing = [k for k in ((GRAD_KEY,) if rela else ()) + (ARCH_KEY, PIVOT_KEY)
                        if k not in update.extra or update.extra[k] is None]
@@ -450,14 +552,15 @@ class FedMosaic(Method):
         return server_state['custom'].get(int(client_id), {})
 
 
-def check_same_tokenizer(codec, pivot_codec, cfg, pivot_cfg) -> None:
+def check_same_tokenizer(codec, small_codec, cfg, small_cfg) -> None:
     """RELA feeds a client's batches to W_s (the pivot's base), so both need one vocabulary."""
-    if codec.tokenizer.get_vocab() != pivot_codec.tokenizer.get_vocab():
-        raise ConfigError(f"FedMosaic: model.type '{cfg.model.type}' and the pivot / W_s "
-                          f"'{pivot_cfg.model.type}' (fsplug.fedmosaic.pivot_model_type) have "
-                          f"different tokenizers; RELA computes W_s's gradient on every client's "
-                          f"batches, so all models need W_s's tokenizer (paper: LLaVA-Llama3.2 "
-                          f"1B/3B, or the Qwen2.5 family)")
+    if codec.tokenizer.get_vocab() != small_codec.tokenizer.get_vocab():
+        raise ConfigError(f"FedMosaic: model.type '{cfg.model.type}' and RELA's W_s "
+                          f"'{small_cfg.model.type}' (fsplug.fedmosaic.small_model_type, default "
+                          f"pivot_model_type) have different tokenizers; RELA computes W_s's "
+                          f"gradient on every client's batches, so all models need W_s's "
+                          f"tokenizer (paper: LLaVA-Llama3.2 1B/3B, or the Qwen2.5 family), "
+                          f"or use rela_model: training")
 
 
 def check_consistent(ids, state) -> None:
@@ -466,8 +569,9 @@ def check_consistent(ids, state) -> None:
     for cid in ids[1:]:
         if state['pivots'][cid] != state['pivots'][first]:
             raise ValueError(f'FedMosaic: client {cid} aligned to another pivot / W_s than client '
-                             f'{first}; set fsplug.fedmosaic.pivot_builder and pivot_model_type '
-                             f'to the same model in every process')
+                             f'{first}; set fsplug.fedmosaic.pivot_builder, pivot_model_type, '
+                             f'small_builder, small_model_type, small_quantization and '
+                             f'rela_model alike in every process')
         if cid in state['grads'] and state['grads'][cid].shape != state['grads'][first].shape:
             raise ValueError(f'FedMosaic: client {cid} sent a RELA gradient of shape '
                              f'{tuple(state["grads"][cid].shape)}, client {first} '

@@ -15,6 +15,8 @@ inside the decoder layer), over all the public rows at once:
      (aggregation.mosaic.align_a_from_moments);
   B: CCA between the B outputs B_i A_i x_i and B_j A_j x_j (with the aligned A_j), then
      B_j = (Π_j⁺)ᵀ Π_iᵀ B_i (aggregation.mosaic.b_output_cca, align_b).
+Table 32's ablations switch either part off (`align_a`, `align_b`: False keeps that factor at
+its random orthonormal start, Eq. 18); with A not aligned, B's CCA uses the random A_j.
 When both models tokenise the public records identically (same tokenizer and image
 tokens), the features are per token, as in Algorithm 3; otherwise each record's tokens are
 averaged, so models with different tokenizers can still be aligned.
@@ -226,18 +228,23 @@ def check_pairing(pivot_keys, other_keys, pivot_r: int, other_r: int, other_name
 
 def compute_alignment(moments: dict[str, AlignmentMoments], pivot_factors: dict,
                       other_factors: dict, reg: float, steps: int,
-                      lr: float, fitted_a: dict | None = None) -> tuple[dict, dict]:
+                      lr: float, fitted_a: dict | None = None,
+                      cca_b: bool = True) -> tuple[dict, dict]:
     """{pq key: (aligned A_j, aligned B_j)} and per key the A objective before / after.
-    `fitted_a` {key: A_j}: A already fitted (the paper's mini-batch schedule); else A is
-    fitted here with `steps` full-batch Adam steps at `lr`."""
+    `fitted_a` {key: A_j}: A already fitted (the paper's mini-batch schedule), or left as it
+    is (A not aligned); else A is fitted here with `steps` full-batch Adam steps at `lr`.
+    `cca_b` False keeps B_j as it is (Table 32's 'Random' B)."""
     aligned, report = {}, {}
     for key in sorted(pivot_factors):
         _, b_i = pivot_factors[key]
         a_j, b_j = other_factors[key]
         new_a = (fitted_a[key].to(a_j.dtype) if fitted_a is not None else
                  align_a_from_moments(moments[key], a_j, reg=reg, steps=steps, lr=lr))
-        pi_i, pi_j = b_output_cca(moments[key], b_i, new_a, b_j)
-        aligned[key] = (new_a, align_b(b_i, pi_i, pi_j).to(b_j.dtype))
+        new_b = b_j
+        if cca_b:
+            pi_i, pi_j = b_output_cca(moments[key], b_i, new_a, b_j)
+            new_b = align_b(b_i, pi_i, pi_j).to(b_j.dtype)
+        aligned[key] = (new_a, new_b)
         report[key] = tuple(float(a_alignment_loss_from_moments(moments[key], a.double(), reg))
                             for a in (a_j, new_a))
     return aligned, report
@@ -314,16 +321,19 @@ def align_to_pivot(model, codec, spec: ModelSpec, pivot: Pivot, pivot_type: str,
     pivot_model = pivot.model().model
     per_token = same_tokens(pivot.codec, codec, records)
     fit = None
-    if hp.alignment_schedule == 'paper':
+    if hp.align_a and hp.alignment_schedule == 'paper':
         fit = MiniBatchAlignment({key: a for key, (a, _) in other_factors.items()},
                                  paper_steps(len(records), hp.alignment_batch_size),
                                  hp.alignment_lr, hp.alignment_reg)
     moments = alignment_moments(pivot_model, pivot.codec, pivot_factors, model, codec, records,
                                 per_token, hp.alignment_batch_size,
                                 fit.step if fit is not None else None)
+    fitted_a = fit.result() if fit is not None else None
+    if not hp.align_a:
+        fitted_a = {key: a for key, (a, _) in other_factors.items()}
     aligned, report = compute_alignment(moments, pivot_factors, other_factors, hp.alignment_reg,
                                         hp.alignment_steps, hp.alignment_full_batch_lr,
-                                        fit.result() if fit is not None else None)
+                                        fitted_a, cca_b=hp.align_b)
     apply_alignment(model, model.fedmosaic_pq, aligned)
     save_alignment(path, aligned, {'pivot': pivot_type, 'model': spec.type_value, 'r': r,
                                    'per_token': per_token, **settings})
@@ -351,6 +361,8 @@ def alignment_settings(spec: ModelSpec, hp) -> dict:
         settings.update(lr=hp.alignment_lr, lr_schedule='cosine', epochs=1)
     else:
         settings.update(steps=hp.alignment_steps, lr=hp.alignment_full_batch_lr)
+    # only a part switched off enters the key, so the default's cached alignments stay valid
+    settings.update({part: False for part in ('align_a', 'align_b') if not getattr(hp, part)})
     return settings
 
 

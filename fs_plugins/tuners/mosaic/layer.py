@@ -37,27 +37,33 @@ class MosaicGate(nn.Module):
 
 class MosaicState(nn.Module):
     """P, Q (PQ layers), the gate β (its own, or a reference to the decoder layer's
-    MosaicGate) and the frozen global module of one layer."""
+    MosaicGate) and the frozen global module of one layer; `local_only`: neither gate nor
+    global module, h = W0 x + the local module (SFT on FedMosaic's architecture)."""
 
     def __init__(self, lora_a: torch.Tensor, lora_b: torch.Tensor, pq: bool,
                  q_init_std: float, generator: torch.Generator | None = None,
-                 layer_gate: MosaicGate | None = None, pq_scaled: bool = False):
+                 layer_gate: MosaicGate | None = None, pq_scaled: bool = False,
+                 local_only: bool = False):
         super().__init__()
         r, dtype, device = lora_a.shape[0], lora_a.dtype, lora_a.device
         self.pq = pq
         self.pq_scaled = pq_scaled       # PQ-LoRA multiplied by peft's alpha / r
+        self.local_only = local_only
+        if local_only:
+            layer_gate = None
         # a tuple, so the layer's gate is not registered here again: β is listed once, under
         # the decoder layer, and every module of the layer adds to its gradient
         self.layer_gate = (layer_gate,) if layer_gate is not None else ()
-        if layer_gate is None:
+        if layer_gate is None and not local_only:
             self.beta = nn.Parameter(torch.zeros((), dtype=dtype, device=device))
         if pq:
             q = torch.randn(r, generator=generator, dtype=torch.float32) * q_init_std
             self.P = nn.Parameter(torch.eye(r, dtype=dtype, device=device))
             self.Q = nn.Parameter(q.to(dtype=dtype, device=device))
-            self.register_buffer('global_P', self.P.detach().clone())
-            self.register_buffer('global_Q', self.Q.detach().clone())
-        else:
+            if not local_only:
+                self.register_buffer('global_P', self.P.detach().clone())
+                self.register_buffer('global_Q', self.Q.detach().clone())
+        elif not local_only:
             self.register_buffer('global_A', lora_a.detach().clone())
             self.register_buffer('global_B', lora_b.detach().clone())
 
@@ -86,6 +92,10 @@ class MosaicLinear(LoraLinear):
         state: MosaicState = getattr(self, MOSAIC_ATTR)
         lora_a, lora_b = self.lora_A['default'].weight, self.lora_B['default'].weight
         inputs = self.lora_dropout['default'](x).to(lora_a.dtype)
+        if state.local_only:
+            hidden = (F.linear(F.linear(inputs, lora_a), state.P) + state.Q if state.pq
+                      else F.linear(inputs, lora_a))
+            return result + (F.linear(hidden, lora_b) * output_scale(self, state)).to(result.dtype)
         gate = state.gate()
         if state.pq:
             projected = F.linear(inputs, lora_a)
@@ -103,8 +113,11 @@ def dense_reference(module: MosaicLinear, x: torch.Tensor) -> torch.Tensor:
     """Eqs. 5 and 7 written out with the full ΔW matrices (tests only; no dropout)."""
     state = getattr(module, MOSAIC_ATTR)
     a, b = module.lora_A['default'].weight, module.lora_B['default'].weight
-    s, gate = output_scale(module, state), state.gate()
-    base = module.base_layer(x)
+    s, base = output_scale(module, state), module.base_layer(x)
+    if state.local_only:
+        local = x @ (b @ state.P @ a).T + b @ state.Q if state.pq else x @ (b @ a).T
+        return base + s * local
+    gate = state.gate()
     if state.pq:
         local = x @ (b @ state.P @ a).T + b @ state.Q
         shared = x @ (b @ state.global_P @ a).T + b @ state.global_Q

@@ -35,14 +35,15 @@ def pq_key(block: int, inner: str) -> str:
 
 def inject_mosaic(model: nn.Module, num_blocks: int, placement: str, q_init_std: float,
                   seed: int, gate: str = 'per_layer', pq_scale: str = 'none',
-                  pq_lora: bool = True) -> dict[str, str]:
+                  pq_lora: bool = True, local_only: bool = False) -> dict[str, str]:
     """Turns every peft LoRA Linear into a MosaicLinear; those in the block-end layers become
     PQ-LoRA (A, B orthonormal and frozen). Returns {module name: pq key} of the PQ layers.
 
     gate: 'per_layer' (one β per decoder layer carrying LoRA, Eq. 7 / Algorithm 1) or
     'per_module'; pq_scale: 'none' (Eq. 5) or 'alpha_over_r' (peft's scaling on PQ-LoRA too,
     as the authors' code); pq_lora=False: conventional LoRA on every layer (the ablation
-    without PQ-LoRA; num_blocks and placement are then unused)."""
+    without PQ-LoRA; num_blocks and placement are then unused); local_only=True: no gate and
+    no global module (SFT on this architecture)."""
     from peft.tuners.lora import Linear as LoraLinear
     if gate not in ('per_layer', 'per_module') or pq_scale not in ('none', 'alpha_over_r'):
         raise ValueError(f"gate must be per_layer|per_module and pq_scale none|alpha_over_r, "
@@ -65,11 +66,12 @@ def inject_mosaic(model: nn.Module, num_blocks: int, placement: str, q_init_std:
             _make_frozen_orthonormal(lora_a, lora_b, generator)
             pq_layers[name] = pq_key(block, position[1])
         layer_gate = (_layer_gate(modules, name, lora_a)
-                      if gate == 'per_layer' and position else None)
+                      if gate == 'per_layer' and position and not local_only else None)
         module.__class__ = MosaicLinear
         module.add_module(MOSAIC_ATTR, MosaicState(lora_a, lora_b, block is not None,
                                                    q_init_std, generator, layer_gate,
-                                                   pq_scaled=pq_scale == 'alpha_over_r'))
+                                                   pq_scaled=pq_scale == 'alpha_over_r',
+                                                   local_only=local_only))
     return pq_layers
 
 

@@ -14,6 +14,17 @@ Which weight (`gradient_layer`):
   z on the answer tokens: ∂ℓ/∂W = (softmax(z) − y)ᵀ h / n. Exact for tied and untied heads
   (for a tied head it is the head's share of the gradient only).
 
+From which model (`rela_model`):
+- 'small' (default, §4.1): the frozen pre-trained W_s above; `small_quantization` runs it with
+  k-bit weights (A.20, Table 31): every linear layer but the output layer quantised and
+  dequantised as bitsandbytes stores it (`quantise_linear_weights`).
+- 'training' (Table 30 'Training model gradients'): the client's own training model, on the
+  current batch, through the backward pass the step takes anyway: the gradients of the local
+  P, Q of its last block's PQ-LoRA layers (`last_block_pq_gradient`). Its last block ends at
+  the last decoder layer (I_{N_B} = L), and P, Q are the only weights of that layer whose
+  gradients have the same size and meaning on every model type (aligned A, B), which the
+  cosine of Eq. 4 needs across heterogeneous clients.
+
 In which order (`sanitise_order`):
 - 'equations' (default; Eqs. 2-3 and Fig. 2: "EMA updated to ĝ and then compressed to g̃"):
   every gradient g(t) updates the full-size ĝ(t) = (1 − a)·ĝ(t−1) + a·g(t); at the round's end
@@ -28,8 +39,9 @@ import re
 
 import torch
 
-from fs_plugins.aggregation.mosaic import ema_update, sanitise_gradient, shared_mask
+from fs_plugins.aggregation.mosaic import ema_update, fake_quantise, sanitise_gradient, shared_mask
 from fs_plugins.data.instruction import IGNORE_INDEX
+from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR
 
 GRADIENT_LAYERS = ('last_down_proj', 'lm_head')
 SANITISE_ORDERS = ('equations', 'algorithm')
@@ -67,6 +79,46 @@ def gradient_weight(model: torch.nn.Module, gradient_layer: str) -> torch.Tensor
     if gradient_layer == 'last_down_proj':
         return last_down_proj(model).weight
     raise ValueError(f'gradient_layer must be one of {GRADIENT_LAYERS}, got {gradient_layer!r}')
+
+
+@torch.no_grad()
+def quantise_linear_weights(model: torch.nn.Module, mode: str) -> int:
+    """Replaces, in place, the weight of every nn.Linear of frozen `model` but its output layer
+    by its k-bit quantised-and-dequantised copy (`aggregation.mosaic.fake_quantise`), the
+    modules bitsandbytes converts under transformers' defaults; returns how many ('none': 0)."""
+    if mode == 'none':
+        return 0
+    head = model.get_output_embeddings()
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            module.weight.copy_(fake_quantise(module.weight, mode))
+            count += 1
+    return count
+
+
+def last_block_pq_layers(pq_layers: dict[str, str]) -> list[str]:
+    """The module names of the PQ-LoRA layers of the last block (the highest 'block<k>.'),
+    ordered by their architecture-independent pq key, so every model type orders them alike."""
+    if not pq_layers:
+        raise ValueError('rela_model = training needs PQ-LoRA layers (fsplug.fedmosaic.pq_lora)')
+    block = max(int(key.split('.', 1)[0][len('block'):]) for key in pq_layers.values())
+    last = {key: name for name, key in pq_layers.items() if key.startswith(f'block{block}.')}
+    return [last[key] for key in sorted(last)]
+
+
+def last_block_pq_gradient(model: torch.nn.Module, pq_layers: dict[str, str]) -> torch.Tensor:
+    """The current gradients (.grad, after backward) of the local P, Q of the last block's
+    PQ-LoRA layers, flattened and concatenated (P then Q per layer) in float32; a tensor
+    without a gradient counts as zeros."""
+    modules = dict(model.named_modules())
+    parts = []
+    for name in last_block_pq_layers(pq_layers):
+        state = getattr(modules[name], MOSAIC_ATTR)
+        for param in (state.P, state.Q):
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            parts.append(grad.detach().to('cpu', torch.float32).flatten())
+    return torch.cat(parts)
 
 
 @torch.no_grad()
