@@ -2,8 +2,10 @@
 
 A script, not a test: prints tables.
 
-1. Time per LoRA module, d_in = d_out = 4096, r in {8, 16, 64}, K in {5, 50} clients
-   (--quick: K in {5, 10}), float32 client factors, random sample-count weights:
+--quick: a check that the script works, in seconds: d = 256, r = 8, K in {5, 10}, 1 repeat.
+
+1. Time per LoRA module, d_in = d_out = 4096 (--dim), r in {8, 16, 64}, K in {5, 50} clients,
+   float32 client factors, random sample-count weights:
      fedavg   fs_plugins.aggregation.weighted_average on dicts {'A': A_k, 'B': B_k}
      fed_a2   fs_plugins.aggregation.fed_a2 (never forms a d_out × d_in matrix)
      naive    fs_plugins.aggregation.fed_a2_naive (materialises U = Σ p_k B_k A_k in float64,
@@ -13,12 +15,12 @@ A script, not a test: prints tables.
    only in the first --naive-repeats repeats. Ratios: fed_a2/fedavg and naive/fed_a2.
 
 2. "Whole model": 32 layers × 4 targets (q, k, v, o) = 128 modules at d = 4096, r = 8, K = 50
-   (--quick: K = 10), total time to aggregate all 128, FedAvg vs FedA² efficient. To bound
+   (K = 10 with --quick), total time to aggregate all 128, FedAvg vs FedA² efficient. To bound
    memory, the client tensors of 8 distinct modules (105 MB at K = 50) are generated and cycled
    through the 128 modules. naive is not run there: it is extrapolated as 128 × its per-module
    median from table 1 (same d, r, K), marked "(extrapolated)".
 
-3. Peak extra memory of one aggregation at d = 4096, r = 8, K = 50 (--quick: K = 10), fed_a2 vs
+3. Peak extra memory of one aggregation at d = 4096, r = 8, K = 50, fed_a2 vs
    naive, plus fed_a2 at other (d, r) to show it scales like (d_in + d_out)·r and not with K or
    d_in·d_out. Method: torch.profiler with profile_memory=True on CPU records every
    allocation (attributed to the op that made it) and every free ("[memory]" events, negative
@@ -33,6 +35,7 @@ parallel op instead of ~1 ms), which swamps these millisecond timings. Pass --th
 there; the load average is printed at the start and end of the run.
 
     python scripts/bench_aggregation.py [--quick] [--repeats N] [--naive-repeats N] [--threads N]
+                                        [--dim D]
 """
 from __future__ import annotations
 
@@ -49,8 +52,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from fs_plugins.aggregation import fed_a2, fed_a2_naive, weighted_average  # noqa: E402
-
-D = 4096
 
 
 def make_clients(K: int, r: int, d_in: int, d_out: int, seed: int):
@@ -97,8 +98,8 @@ def fmt_b(n: float) -> str:
         n /= 1024
 
 
-def per_module_table(Ks, ranks, repeats, naive_repeats):
-    print(f'\n[1] time per module, d_in = d_out = {D}, float32 factors; median of {repeats} '
+def per_module_table(Ks, ranks, repeats, naive_repeats, dim):
+    print(f'\n[1] time per module, d_in = d_out = {dim}, float32 factors; median of {repeats} '
           f'repeats ({naive_repeats} for naive), methods interleaved within each repeat')
     head = (f'{"r":>4} {"K":>4} | {"fedavg":>10} {"fed_a2":>10} {"naive":>10} | '
             f'{"fed_a2/fedavg":>13} {"naive/fed_a2":>12}')
@@ -107,7 +108,7 @@ def per_module_table(Ks, ranks, repeats, naive_repeats):
     medians = {}
     for r in ranks:
         for K in Ks:
-            As, Bs, weights = make_clients(K, r, D, D, seed=1000 * r + K)
+            As, Bs, weights = make_clients(K, r, dim, dim, seed=1000 * r + K)
             for fn in METHODS.values():                     # warm-up (allocator, BLAS threads)
                 if fn is fed_a2_naive and K > 10:
                     continue
@@ -127,12 +128,12 @@ def per_module_table(Ks, ranks, repeats, naive_repeats):
     return medians
 
 
-def whole_model(K, repeats, naive_per_module, layers=32, targets=4, r=8, pool=8):
+def whole_model(K, repeats, naive_per_module, dim, layers=32, targets=4, r=8, pool=8):
     n_modules = layers * targets
     print(f'\n[2] whole model: {layers} layers x {targets} targets = {n_modules} modules, '
-          f'd = {D}, r = {r}, K = {K}; {pool} distinct modules of client tensors cycled; '
+          f'd = {dim}, r = {r}, K = {K}; {pool} distinct modules of client tensors cycled; '
           f'median of {repeats} repeats, methods interleaved')
-    modules = [make_clients(K, r, D, D, seed=50_000 + m) for m in range(pool)]
+    modules = [make_clients(K, r, dim, dim, seed=50_000 + m) for m in range(pool)]
 
     def all_modules(fn):
         t0 = time.perf_counter()
@@ -169,15 +170,15 @@ def peak_extra_memory(fn, *args):
     return peak, largest
 
 
-def memory_table(K):
+def memory_table(K, dim):
     print('\n[3] peak extra memory of one aggregation (torch.profiler profile_memory: running sum '
           'of allocations and frees, inputs excluded, outputs included)')
     head = (f'{"method":>7} {"d_in=d_out":>10} {"r":>3} {"K":>4} | {"peak extra":>12} '
             f'{"largest alloc":>13} | {"peak/((d_in+d_out)*r*8B)":>24} {"peak/(d_in*d_out*4B)":>20}')
     print(head)
     print('-' * len(head))
-    rows = [('fed_a2', D, 8, K), ('naive', D, 8, K), ('fed_a2', D, 64, K), ('fed_a2', D, 8, 5),
-            ('fed_a2', 1024, 8, K), ('fed_a2', 1024, 64, K)]
+    rows = [('fed_a2', dim, 8, K), ('naive', dim, 8, K), ('fed_a2', dim, 64, K), ('fed_a2', dim, 8, 5),
+            ('fed_a2', dim // 4, 8, K), ('fed_a2', dim // 4, 64, K)]
     for name, d, r, k in rows:
         As, Bs, weights = make_clients(k, r, d, d, seed=7)
         peak, largest = peak_extra_memory(METHODS[name], As, Bs, weights)
@@ -190,27 +191,29 @@ def memory_table(K):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--quick', action='store_true', help='K in {5, 10}, 3 repeats, 1 naive repeat')
-    ap.add_argument('--repeats', type=int, default=None, help='timing repeats (default 5, quick 3)')
+    ap.add_argument('--quick', action='store_true', help='d = 256, r = 8, K in {5, 10}, 1 repeat')
+    ap.add_argument('--dim', type=int, default=4096, help='d_in = d_out of the modules')
+    ap.add_argument('--repeats', type=int, default=None, help='timing repeats (default 5, quick 1)')
     ap.add_argument('--naive-repeats', type=int, default=None, help='repeats for naive (default 3, quick 1)')
     ap.add_argument('--whole-repeats', type=int, default=None, help='whole-model repeats (default 3, quick 1)')
     ap.add_argument('--threads', type=int, default=None, help='torch.set_num_threads')
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (1 if args.quick else 5)
+    dim = 256 if args.quick else args.dim
     naive_repeats = min(repeats, args.naive_repeats or (1 if args.quick else 3))
     whole_repeats = args.whole_repeats or (1 if args.quick else 3)
     Ks = [5, 10] if args.quick else [5, 50]
-    ranks = [8, 16, 64]
+    ranks = [8] if args.quick else [8, 16, 64]
     print(f'bench_aggregation: torch {torch.__version__}, {torch.get_num_threads()} threads, '
           f'{os.cpu_count()} CPUs, {"quick" if args.quick else "full"} run, '
           f'load average at start {load()}')
     t0 = time.perf_counter()
-    medians = per_module_table(Ks, ranks, repeats, naive_repeats)
+    medians = per_module_table(Ks, ranks, repeats, naive_repeats, dim)
     K_big = Ks[-1]
-    whole_model(K_big, whole_repeats, medians[(8, K_big)]['naive'])
-    memory_table(K_big)
+    whole_model(K_big, whole_repeats, medians[(8, K_big)]['naive'], dim)
+    memory_table(K_big, dim)
     print(f'\ntotal bench time {time.perf_counter() - t0:.1f} s; load average at end '
           f'{load()} (other processes on these cores inflate and scatter the timings)')
 

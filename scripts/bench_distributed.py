@@ -5,7 +5,7 @@ claiming client 2) and the refusals are counted. Then one large update through e
 channel. Needs FederatedScope with grpcio.
 
 python scripts/bench_distributed.py [--cfg yamls/fedavg/tiny.yaml] [--clients 3] [--rounds 5]
-                                    [--message_mb 256]
+                                    [--message_mb 256] [--quick]
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+NEEDS_FEDERATEDSCOPE = True   # tests/test_bench_scripts.py skips the script without it
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'tests'))
 from helpers import outsiders_are_refused  # noqa: E402  (shared with the tests)
@@ -117,7 +118,12 @@ def main(argv=None) -> int:
     parser.add_argument('--rounds', type=int, default=5)
     parser.add_argument('--message_mb', type=int, default=256,
                         help='then: one update of this size, plaintext vs TLS (0: skip)')
+    parser.add_argument('--quick', action='store_true',
+                        help='a check that the script works: 2 clients, 2 rounds, FS standalone '
+                             'and TLS + token only, a 1 MiB message')
     args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.rounds, args.message_mb = 2, 2, 1
     os.chdir(REPO)
     opts = ['data.splitter', 'iid', 'federate.client_num', str(args.clients),
             'federate.sample_client_num', str(args.clients),
@@ -126,6 +132,8 @@ def main(argv=None) -> int:
     runs = [('FS standalone', None, None), ('distributed, plaintext', 'launch', None),
             ('distributed, TLS + token', 'launch', 'token'),
             ('distributed, TLS + certificates', 'launch', 'certificate')]
+    if args.quick:
+        runs = [runs[0], runs[2]]
     print(f'{args.cfg}, {args.clients} clients, {args.rounds} rounds, 127.0.0.1 '
           f'({os.cpu_count()} CPU cores); results in {work}')
     print('| run | s / round | payload MiB / round | gRPC MiB / round (all parties) | '

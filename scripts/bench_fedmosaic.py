@@ -15,7 +15,10 @@
    1B model (4 blocks × 7 modules, r = 128); beside item 2's local round time.
 
     python scripts/bench_fedmosaic.py [--model tiny|smollm2] [--steps 20] [--repeats 3]
-                                      [--clients 10 100 1000] [--grad-dim 100000]
+                                      [--clients 10 100 1000] [--grad-dim 100000] [--quick]
+
+--quick: a check that the script works: the tiny model, 2 steps of batch 1, 1 repeat, 2 server
+clients of 1000 gradient coordinates.
 """
 from __future__ import annotations
 
@@ -154,7 +157,11 @@ def main(argv=None) -> None:
     parser.add_argument('--clients', type=int, nargs='+', default=[10, 100, 1000])
     parser.add_argument('--grad-dim', type=int, default=100_000)
     parser.add_argument('--rank', type=int, default=128)
+    parser.add_argument('--quick', action='store_true', help='a check that the script works')
     args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.steps, args.batch, args.repeats = 'tiny', 2, 1, 1
+        args.clients, args.grad_dim = [2], 1000
     torch.manual_seed(0)
     print('\n'.join(bytes_table(args.rank, 4, 0.4)))
     standalone, mosaic = compute_ratio(args.model, args.steps, args.batch, args.repeats)

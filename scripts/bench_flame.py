@@ -16,7 +16,10 @@
     k = 8 with the LoRA rank cut from 20 to 6 (HLoRA's largest reduction), median over
     interleaved repeats.
 
-python scripts/bench_flame.py [--threads 1] [--repeats 5] [--skip-steps] [--only-params]
+python scripts/bench_flame.py [--threads 1] [--repeats 5] [--skip-steps] [--only-params] [--quick]
+
+--quick: a check that the script works: [0] only FLAME's rows, [2] on the small OLMoE of [1]'s
+check, 1 repeat, batch 1 x 16 tokens.
 """
 from __future__ import annotations
 
@@ -115,7 +118,8 @@ def meta_peft_model(dense: bool, rank: int, router: bool = False):
     return get_peft_model(model, config)
 
 
-def param_table() -> None:
+def param_table(quick: bool = False) -> None:
+    """`quick`: only the FLAME rows (one model instead of ten)."""
     print('[0] parameters per budget level (paper placement; meta-device models at full size)')
     print(f'    {"setting":40s} {"β":>2s}  {"P_a / P (B)":>13s}  {"paper":>9s}   '
           f'{"P̂_a / P̂ (M)":>15s}  {"paper":>9s}')
@@ -123,6 +127,9 @@ def param_table() -> None:
     flame = meta_peft_model(False, 20)
     for level, k in enumerate((8, 4, 2, 1), start=1):
         rows.append(('FLAME (OLMoE) r=20', f'k={k}', level, flame, k, TABLE1['FLAME (OLMoE) r=20'][k]))
+    if quick:
+        print_param_rows(rows)
+        return
     routed = meta_peft_model(False, 20, router=True)
     for level, k in enumerate((8, 4, 2, 1), start=1):
         rows.append(('FLAME (OLMoE) r=20 +router LoRA', f'k={k}', level, routed, k,
@@ -133,6 +140,10 @@ def param_table() -> None:
     for level, r in enumerate((40, 24, 16, 12), start=1):
         rows.append(('HLoRA/FlexLoRA (OLMo-1B dense)', f'r={r}', level, meta_peft_model(True, r), 8,
                      TABLE1['HLoRA/FlexLoRA (OLMo-1B dense)'][r]))
+    print_param_rows(rows)
+
+
+def print_param_rows(rows) -> None:
     for name, knob, level, model, k, (paper_base, paper_lora) in rows:
         base, base_active = base_parameter_counts(model, k)
         lora, lora_active = lora_parameter_counts(model, k)
@@ -141,10 +152,10 @@ def param_table() -> None:
               f'{paper_lora[0]:>3} / {paper_lora[1]:<3}')
 
 
-def lora_model(rank: int):
+def lora_model(rank: int, dims: dict):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(0)
-    model = get_peft_model(random_olmoe(seed=0, **MID_DIMS),
+    model = get_peft_model(random_olmoe(seed=0, **dims),
                            LoraConfig(r=rank, lora_alpha=16, target_modules=['q_proj', 'v_proj'],
                                       target_parameters=EXPERT_LORA_PARAMETERS))
     model.train()
@@ -167,14 +178,14 @@ def set_top_k(model, k: int) -> None:
             module.top_k = k
 
 
-def step_table(tokens: int, batch: int, repeats: int) -> None:
-    print(f'\n[2] training step on CPU, random OLMoE {MID_DIMS["num_hidden_layers"]} layers, '
-          f'hidden {MID_DIMS["hidden_size"]}, {MID_DIMS["num_experts"]} experts (width '
-          f'{MID_DIMS["intermediate_size"]}), vocab {MID_DIMS["vocab_size"]}; batch {batch} x '
+def step_table(tokens: int, batch: int, repeats: int, dims: dict) -> None:
+    print(f'\n[2] training step on CPU, random OLMoE {dims["num_hidden_layers"]} layers, '
+          f'hidden {dims["hidden_size"]}, {dims["num_experts"]} experts (width '
+          f'{dims["intermediate_size"]}), vocab {dims["vocab_size"]}; batch {batch} x '
           f'{tokens} tokens; LoRA on q, v and every expert; median of {repeats} interleaved repeats')
-    ids = torch.randint(0, MID_DIMS['vocab_size'], (batch, tokens))
-    flame_model, flame_opt = lora_model(20)
-    hlora_model, hlora_opt = lora_model(6)
+    ids = torch.randint(0, dims['vocab_size'], (batch, tokens))
+    flame_model, flame_opt = lora_model(20, dims)
+    hlora_model, hlora_opt = lora_model(6, dims)
     runs = {f'FLAME k={k}, r=20': (flame_model, flame_opt, k) for k in (8, 4, 2, 1)}
     runs['HLoRA k=8, r=6'] = (hlora_model, hlora_opt, 8)
     times = {name: [] for name in runs}
@@ -206,16 +217,21 @@ def main():
                         help='sequences per training step (16: the paper\'s batch size)')
     parser.add_argument('--skip-steps', action='store_true', help='no step timing ([2])')
     parser.add_argument('--only-params', action='store_true', help='only the parameter table ([0])')
+    parser.add_argument('--quick', action='store_true', help='a check that the script works '
+                                                             '(see the module docstring)')
     args = parser.parse_args()
+    step_dims = CHECK_DIMS if args.quick else MID_DIMS
+    if args.quick:
+        args.repeats, args.tokens, args.batch = 1, 16, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    param_table()
+    param_table(args.quick)
     if args.only_params:
         return
     print()
     flop_table(args.tokens)
     if not args.skip_steps:
-        step_table(args.tokens, args.batch, args.repeats)
+        step_table(args.tokens, args.batch, args.repeats, step_dims)
 
 
 if __name__ == '__main__':

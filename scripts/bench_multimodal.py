@@ -2,7 +2,9 @@
 greedy generation, side by side in one run (target: batched >= 3x faster).
 
     python scripts/bench_multimodal.py [--builder easyvqa_llava] [--samples 48] [--batch 16]
-                                       [--steps 5] [--threads 2]
+                                       [--steps 5] [--threads 2] [--quick]
+
+--quick: a check that the script works: 4 samples, batches of 2, 1 training step.
 """
 from __future__ import annotations
 
@@ -65,7 +67,10 @@ def main(argv=None) -> None:
     parser.add_argument('--train-batch', type=int, default=8)
     parser.add_argument('--steps', type=int, default=5)
     parser.add_argument('--threads', type=int, default=2)
+    parser.add_argument('--quick', action='store_true', help='a check that the script works')
     args = parser.parse_args(argv)
+    if args.quick:
+        args.samples, args.batch, args.train_batch, args.steps = 4, 2, 2, 1
     torch.set_num_threads(args.threads)
     cfg, built, train, test = load(args.builder, args.yaml)
     records = test[:args.samples]

@@ -16,7 +16,10 @@
 3. Activated rank under EEQA at several budgets K (random importance, the smollm2 library):
    the mean of q_j is K whatever the allocation.
 
-    python scripts/bench_smartfed.py [--batch 4] [--seq-len 128] [--tokens 1024]
+    python scripts/bench_smartfed.py [--batch 4] [--seq-len 128] [--tokens 1024] [--quick]
+
+--quick: a check that the script works: the tiny random Llama instead of smollm2, batch 1 x 16
+tokens, 1 block of 1 step, a 16-token layer benchmark, 1 repeat.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import torch
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(SCRIPTS))
 sys.path.insert(0, SCRIPTS)
-from bench_fedmole import Trainer, _status_kb, memory_in_subprocess, random_batch  # noqa: E402
+from bench_fedmole import MODELS, Trainer, _status_kb, memory_in_subprocess, random_batch  # noqa: E402
 
 RANK, TARGETS = 16, ['q_proj', 'v_proj']
 CONFIGS = {'fedavg': ('fedavg', {}),
@@ -41,8 +44,8 @@ CONFIGS = {'fedavg': ('fedavg', {}),
            'smartfed_hidden': ('smartfed', {'budget': RANK, 'router_input': 'hidden'})}
 
 
-def make_library(workdir: str) -> list[str]:
-    """Two random r = 16 peft LoRAs on q, v of the smollm2 base, saved as adapter folders."""
+def make_library(workdir: str, model_name: str) -> list[str]:
+    """Two random r = 16 peft LoRAs on q, v of the base, saved as adapter folders."""
     from peft import LoraConfig, get_peft_model
 
     from fs_plugins.methods.specs import model_spec
@@ -52,7 +55,7 @@ def make_library(workdir: str) -> list[str]:
     for seed in (1, 2):
         folder = os.path.join(workdir, f'library_{seed}')
         if not os.path.isdir(folder):
-            cfg = base_config(workdir, 'fedavg', {})
+            cfg = base_config(workdir, 'fedavg', {}, model_name)
             base = load_base(model_spec(load_config(overrides=cfg))).model
             torch.manual_seed(seed)
             model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
@@ -62,14 +65,15 @@ def make_library(workdir: str) -> list[str]:
     return folders
 
 
-def base_config(workdir: str, method: str, hparams: dict, library=()) -> dict:
+def base_config(workdir: str, method: str, hparams: dict, model: str, library=()) -> dict:
+    model_type, builder = MODELS[model]
     return {'seed': 1, 'outdir': workdir,
             'federate': {'client_num': 1, 'method': 'fsplug'}, 'trainer': {'type': 'fsplug'},
             'data': {'type': 'tiny_tasks@fsplug', 'splitter': 'iid', 'root': workdir},
-            'model': {'type': 'smollm2@fsplug_llm'},
+            'model': {'type': model_type},
             'train': {'optimizer': {'type': 'AdamW', 'lr': 1e-4}},
             'fsplug': {'method': method, method: hparams, 'model': {
-                'builder': 'smollm2', 'library': {'adapters': list(library)},
+                'builder': builder, 'library': {'adapters': list(library)},
                 'lora': {'r': RANK, 'alpha': 2 * RANK, 'target_modules': TARGETS}}}}
 
 
@@ -78,9 +82,9 @@ def make_trainer(config: str, workdir: str, args, hparams_extra=None) -> Trainer
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.run.config import load_config
     method_name, hparams = CONFIGS[config]
-    library = make_library(workdir) if method_name == 'smartfed' else ()
+    library = make_library(workdir, args.model) if method_name == 'smartfed' else ()
     cfg = load_config(overrides=base_config(workdir, method_name, {**hparams, **(hparams_extra or {})},
-                                            library))
+                                            args.model, library))
     method = get_method_class(method_name)(cfg)
     built = build_model(cfg, method)
     trainer = Trainer(built.model, built.trainable_names, method, cfg,
@@ -113,7 +117,7 @@ def measure_memory(args, workdir) -> dict:
 
     from fs_plugins.methods.registry import all_methods
     all_methods()
-    make_library(workdir)          # built before the baseline reading
+    make_library(workdir, args.model)   # built before the baseline reading
     runtime = _status_kb('VmRSS')
     trainer = make_trainer(args.memory_of, workdir, args)
     with torch.no_grad():
@@ -127,10 +131,11 @@ def measure_memory(args, workdir) -> dict:
 
 
 def step_table(args, workdir) -> None:
-    memory = {c: memory_in_subprocess(args, c, __file__, ['--workdir', workdir]) for c in CONFIGS}
+    memory = {c: memory_in_subprocess(args, c, __file__, ['--workdir', workdir, '--model', args.model])
+              for c in CONFIGS}
     times, sent = time_steps(args, workdir)
     base_t, base_m, base_b = statistics.median(times['fedavg']), memory['fedavg'], sent['fedavg']
-    print(f"\n== 1. training step, smollm2, batch {args.batch} x {args.seq_len} tokens, "
+    print(f"\n== 1. training step, {args.model}, batch {args.batch} x {args.seq_len} tokens, "
           f"{args.blocks} blocks x {args.round_steps} steps, {torch.get_num_threads()} threads ==")
     print(f"{'config':<18} {'step ms':>8} {'ratio':>6} {'peak MB':>9} {'ratio':>6} "
           f"{'bytes/round':>12} {'ratio':>7}")
@@ -203,6 +208,7 @@ def rank_table(args, workdir) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--model', choices=sorted(MODELS), default='smollm2')
     parser.add_argument('--batch', type=int, default=4)
     parser.add_argument('--seq-len', type=int, default=128)
     parser.add_argument('--round-steps', type=int, default=3)
@@ -213,7 +219,12 @@ def main() -> None:
     parser.add_argument('--skip-model', action='store_true', help='layer benchmark only')
     parser.add_argument('--memory-of', default='', help=argparse.SUPPRESS)
     parser.add_argument('--workdir', default='', help=argparse.SUPPRESS)
+    parser.add_argument('--quick', action='store_true', help='a check that the script works '
+                                                             '(see the module docstring)')
     args = parser.parse_args()
+    if args.quick:
+        args.model, args.batch, args.seq_len, args.round_steps, args.blocks = 'tiny', 1, 16, 1, 1
+        args.tokens, args.layer_repeats = 16, 1
     torch.set_num_threads(args.threads)
     if args.memory_of:
         print(json.dumps(measure_memory(args, args.workdir)))

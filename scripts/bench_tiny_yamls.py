@@ -5,6 +5,7 @@ method | seconds (wall time of the whole process: imports, data, model, every ro
 in the YAML's leading comment.
 
 python scripts/bench_tiny_yamls.py [--only fedavg fedmole ...] [--timeout 900] [--keep DIR]
+                                   [--quick]
 
 The numbers depend on the machine and on what else runs on it: the header line says how many
 CPU cores it had and the load average before the first run. A run that fails is reported as
@@ -23,6 +24,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK_RUN = 'standalone'   # the method folder --quick runs
 # the sentence of a YAML's comment that says how long it runs
 # (a sentence ends at a '.' followed by a space or the end: '0.25' and 'x.py' do not end one)
 SENTENCE = r'(?:[^.]|\.(?=\S))*'
@@ -49,10 +51,11 @@ def comment_claim(path: str) -> str:
     return match.group(0).strip() if match else ''
 
 
-def run_one(path: str, out_dir: str, timeout: float) -> tuple[float, int, str]:
-    """(wall seconds, exit code, output tail) of one embedded run of `path`."""
+def run_one(path: str, out_dir: str, timeout: float, opts=()) -> tuple[float, int, str]:
+    """(wall seconds, exit code, output tail) of one embedded run of `path` (`opts`: further
+    `key value` overrides)."""
     command = [sys.executable, '-m', 'fs_plugins', 'run', '--runner', 'embedded', '--cfg', path,
-               'outdir', out_dir, 'fsplug.results_dir', os.path.join(out_dir, 'results')]
+               'outdir', out_dir, 'fsplug.results_dir', os.path.join(out_dir, 'results'), *opts]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -68,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--timeout', type=float, default=900.0, help='seconds per run before it is stopped')
     parser.add_argument('--keep', default=None, metavar='DIR',
                         help='write the runs\' results here instead of a temporary folder')
+    parser.add_argument('--quick', action='store_true',
+                        help=f'a check that the script works: only {QUICK_RUN}, 2 rounds of 1 step')
     args = parser.parse_args(argv)
-    runs = tiny_yamls(args.only)
+    runs = tiny_yamls([QUICK_RUN] if args.quick else args.only)
+    shorter = ['federate.total_round_num', '2', 'train.local_update_steps', '1'] if args.quick else []
     if not runs:
         print('no yamls/*/tiny.yaml matched', file=sys.stderr)
         return 2
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     failures, total = [], 0.0
     try:
         for name, path in runs:
-            seconds, code, tail = run_one(path, os.path.join(root, name), args.timeout)
+            seconds, code, tail = run_one(path, os.path.join(root, name), args.timeout, shorter)
             total += seconds
             shown = f'{seconds:.1f}' if code == 0 else f'FAILED (exit {code}) after {seconds:.1f}'
             print(f'| {name} | {shown} | {comment_claim(path) or "(none)"} |', flush=True)

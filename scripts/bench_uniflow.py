@@ -11,7 +11,10 @@ trains one warm-up round, then times `--repeats` local rounds of `--steps` steps
 memory is the process's peak resident set (CPU) or torch's peak allocation (CUDA).
 
     python scripts/bench_uniflow.py [--cfg yamls/uniflow/easyvqa_image_audio.yaml]
-        [--client 3] [--steps 8] [--repeats 2]
+        [--client 3] [--steps 8] [--repeats 2] [--quick]
+
+--quick: a check that the script works: yamls/uniflow/tiny.yaml (random tiny encoders and LLM),
+2 steps (one per stage), 1 timed round.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import time
 
 SCHEDULES = ('two_stage', 'simultaneous')
 DEFAULT_CFG = 'yamls/uniflow/easyvqa_image_audio.yaml'
+QUICK_CFG = 'yamls/uniflow/tiny.yaml'   # client 3 has images and tones
 
 
 def peak_bytes(device) -> int:
@@ -116,7 +120,10 @@ def main() -> None:
     parser.add_argument('--repeats', type=int, default=2)
     parser.add_argument('--schedule', default='two_stage')
     parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    parser.add_argument('--quick', action='store_true', help='a check that the script works')
     args = parser.parse_args()
+    if args.quick:
+        args.cfg, args.steps, args.repeats = QUICK_CFG, 2, 1
     if args.worker:
         print(json.dumps(measure(args)))
         return

@@ -4,6 +4,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # toy_methods, helpers
+# fsplug.threads' auto count follows the machine's load, and a float sum's order follows the
+# thread count: the tests fix it (subprocesses inherit it), so comparisons of runs stay exact
+os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 # `-m quick`: a few fast tests through torch, transformers, peft (target_parameters on fused
 # MoE experts, a tiny embedded round) and datasets, run under the declared minimum versions by

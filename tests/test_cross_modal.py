@@ -9,8 +9,8 @@ from helpers import REPO, run_embedded_keeping_clients
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.data.federated import pool_test_records
-from fs_plugins.run.client import modality_groups, token_metrics
 from fs_plugins.run.config import load_config
+from fs_plugins.run.evaluation import modality_groups, token_metrics
 from fs_plugins.run.runtime import build_federated_records
 
 TINY = f'{REPO}/yamls/uniflow/tiny.yaml'

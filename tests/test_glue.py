@@ -169,7 +169,7 @@ def test_tiny_yaml_runs_and_keeps_the_head_local(tmp_path, monkeypatch, method):
     """Default fsplug.model.head local: the head trains on every client but is never uploaded,
     so the clients' heads differ after training; the server's global state holds none, and
     each client's evaluation is its own model's, head included."""
-    from fs_plugins.run.client import token_metrics
+    from fs_plugins.run.evaluation import token_metrics
     captured = _spy_updates(monkeypatch)
     cfg = _tiny(tmp_path, method)
     assert cfg.fsplug.model.head == 'local'
@@ -312,7 +312,7 @@ def test_rslora_vera_and_half_precision_variants(tmp_path, opts):
 def test_saved_client_model_reloads_with_its_head(tmp_path):
     import fs_plugins
     from fs_plugins.models.codecs import EncodedDataset
-    from fs_plugins.run.client import token_metrics
+    from fs_plugins.run.evaluation import token_metrics
     cfg = _tiny(tmp_path, 'fedsa', 1)
     results, clients = run_embedded_keeping_clients(cfg)
     reported = [r for r in results.rows if r['kind'] == 'eval' and r['client'] == 3][-1]

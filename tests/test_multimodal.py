@@ -11,8 +11,8 @@ from PIL import Image
 from fs_plugins.data.instruction import IGNORE_INDEX, load_records
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.fedavg import FedAvg
-from fs_plugins.run.client import generate_answers
 from fs_plugins.run.config import ConfigError, load_config
+from fs_plugins.run.evaluation import generate_answers
 from fs_plugins.sim.runner import run_embedded
 
 COLOURS = {'red': (220, 30, 30), 'green': (30, 200, 30), 'blue': (30, 30, 220)}

@@ -161,7 +161,7 @@ def check_fs_cfg(cfg) -> None:
 
 def modality_metric_names(cfg) -> dict[str, bool]:
     """{metric: larger is better} of the per-test-modality metrics an encoder + LLM model with
-    several encoders reports (run.client.modality_groups: test_<label>_<metric>), which FS's
+    several encoders reports (run.evaluation.modality_groups: test_<label>_<metric>), which FS's
     monitor must know: every combination of the configured modalities, as labels join them."""
     model = cfg.fsplug.model
     encoders = model.multimodal

@@ -18,6 +18,7 @@ class PluginTrainer(LLMTrainer):
 
     def bind(self, procedure) -> None:
         self.procedure = procedure
+        self.eval_times: dict = {}   # the seconds of the evaluation in progress
 
     def _hook_on_fit_start_numerical_precision(self, ctx):
         """Never `ctx.model.half()` (FS's train.is_enable_half): that would turn the adapters
@@ -62,8 +63,19 @@ class PluginTrainer(LLMTrainer):
             self.last_update = self.procedure.end_round()
             ctx.eval_metrics = dict(self.last_update.metrics)
 
+    def start_evaluation(self) -> None:
+        """Before FS's client evaluates its splits: their seconds count from 0."""
+        self.procedure.take_eval_times()
+        self.eval_times = {}
+
     def evaluate(self, target_data_split_name='test'):
-        return self.procedure.evaluate(target_data_split_name)
+        """One split's metrics, with the seconds of every split evaluated since
+        start_evaluation: FS's client merges the splits' dicts in order, so the merged row has
+        the whole evaluation's eval_s (as the embedded runner's)."""
+        metrics = self.procedure.evaluate(target_data_split_name)
+        self.eval_times = {name: self.eval_times.get(name, 0.0) + seconds
+                           for name, seconds in self.procedure.take_eval_times().items()}
+        return {**metrics, **self.eval_times}
 
     def update(self, model_parameters, strict=False):
         """Server content (a personalised or shared state) goes through the method."""

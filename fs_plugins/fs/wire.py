@@ -31,6 +31,7 @@ MARKER = '__fsplug__'     # never empty: FS's gRPC encoder cannot encode an empt
 PAYLOAD = 'fsplug/payload'
 SHARED, EXTRA, METRIC = 'shared/', 'extra/', 'metric/'
 DATASET_SIZE = 'meta/dataset_size'
+ENCODE_S = 'meta/encode_s'   # beside the blob: the seconds the client took to encode its update
 SCALARS_KEY = 'fsplug_scalars'
 SCALAR_TYPES = (bool, int, float, str)
 
@@ -156,6 +157,12 @@ def encode_update(update: ClientUpdate, distributed: bool) -> dict:
     return _message(flat, distributed)
 
 
+def with_encode_time(message: dict, seconds: float) -> dict:
+    """An encoded update with the seconds its encoding took (known only once it is encoded,
+    so outside the blob); decode_update reports them as the update's encode_s metric."""
+    return {**message, ENCODE_S: float(seconds)}
+
+
 def decode_update(client_id: int, num_samples, content) -> ClientUpdate:
     """The ClientUpdate a client sent; WireError (naming the client) for anything malformed:
     any decoding error, a count that is not an integer in [0, MAX_COUNT] (`num_samples`,
@@ -166,7 +173,7 @@ def decode_update(client_id: int, num_samples, content) -> ClientUpdate:
         flat = _flat(content, sender)
         return ClientUpdate(int(client_id), _count(num_samples, 'num_samples', sender),
                             _tensors(flat, SHARED, sender), _tensors(flat, EXTRA, sender),
-                            _metrics(flat, sender),
+                            {**_metrics(flat, sender), **_encode_time(content, sender)},
                             dataset_size=_count(flat.get(DATASET_SIZE), DATASET_SIZE, sender,
                                                 minimum=1))
     except WireError:
@@ -199,6 +206,18 @@ def _metrics(flat: dict, sender: str) -> dict[str, float]:
                             f"finite number")
         metrics[name] = float(value)
     return metrics
+
+
+def _encode_time(content: dict, sender: str) -> dict[str, float]:
+    """{'encode_s': seconds} of an update that carries them (a finite number >= 0)."""
+    if ENCODE_S not in content:
+        return {}
+    value = content[ENCODE_S]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise WireError(f"content from {sender}: '{ENCODE_S}' = {value!r} is not a number of "
+                        f"seconds")
+    return {'encode_s': float(value)}
 
 
 def encoded_size(content: dict) -> int:

@@ -41,14 +41,28 @@ from fs_plugins.fs.checkpoints import CHECKPOINT_MSG, CHECKPOINTED_MSG, ServerCh
 from fs_plugins.fs.data import CLIENT_NAMES, CLIENT_OVERRIDES, CLIENT_TRAIN_SIZES
 from fs_plugins.fs.logs import share_fs_logging
 from fs_plugins.fs.secure import UNREADABLE_MSG, plugin_comm_manager, received_message_bound, tensor_bytes
-from fs_plugins.fs.wire import MARKER, decoded_updates, encode_tensors, encode_update, encoded_size
+from fs_plugins.fs.wire import (
+    MARKER,
+    decoded_updates,
+    encode_tensors,
+    encode_update,
+    encoded_size,
+    with_encode_time,
+)
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.run.checkpoint import CheckpointError, read_server, server_checkpoint_info, set_rng_state, write_client
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import Cfg, merge, to_plain
-from fs_plugins.run.results import ResultsLog
-from fs_plugins.run.runtime import initial_global, predictions_path, resolved_client_config, results_dir, run_info
+from fs_plugins.run.results import ResultsLog, is_time_column
+from fs_plugins.run.runtime import (
+    initial_global,
+    predictions_path,
+    resolved_client_config,
+    results_dir,
+    run_info,
+    use_thread_setting,
+)
 from fs_plugins.run.server import ServerProcedure
 
 logger = logging.getLogger(__name__)
@@ -259,6 +273,8 @@ class PluginServer(Server):
         if self._resumed_rng is not None:
             set_rng_state(self._resumed_rng)
             self._resumed_rng = None
+        if training:   # the previous round's evaluation was asked before: its row is complete
+            self.procedure.finish_round()
         if training and self.checkpoints.due(rounds_done=self.state):
             self._ask_checkpoint(self.state - 1)
         if training:
@@ -278,7 +294,9 @@ class PluginServer(Server):
         training = msg_type == 'model_para'
         for cid in receivers:
             content = self.procedure.content_for(cid, for_training=training)
+            started = time.perf_counter()
             encoded = encode_tensors(content, _is_distributed(self._cfg))
+            self.procedure.add_wire_times(encode_s=time.perf_counter() - started)
             check_message_size(self._cfg, encoded, f'{msg_type} for client {cid}')
             self.comm_manager.send(Message(
                 msg_type=msg_type, sender=self.ID, receiver=[cid],
@@ -531,6 +549,7 @@ class PluginServer(Server):
         written, and this process exits with `reason`."""
         logger.error(f'fsplug: {reason}; the federation stops')
         self._send_finish()
+        self.procedure.finish_round()
         self.procedure.results.close()
         raise FederationStopped(f'fsplug: the server stopped the federation: {reason}')
 
@@ -566,7 +585,9 @@ class PluginServer(Server):
         return decoded_updates(buffer, lambda cid, reason: self.procedure.reject(self.state, cid, reason))
 
     def _perform_federated_aggregation(self):
+        started = time.perf_counter()
         updates = self._decoded_updates(self.msg_buffer['train'][self.state])
+        self.procedure.add_wire_times(decode_s=time.perf_counter() - started)
         if self.staled_msg_buffer:
             logger.warning(f'fsplug: ignoring {len(self.staled_msg_buffer)} stale update(s)')
         self.procedure.aggregate(self.state, updates)
@@ -588,12 +609,15 @@ class PluginServer(Server):
         self._eval_answered.add(message.sender)
         self.procedure.results.log_eval(int(message.state), int(message.sender),
                                         dict(message.content))
+        # FS's summary needs '<split>_total' beside every metric: the seconds stay in results
+        message.content = {k: v for k, v in message.content.items() if not is_time_column(k)}
         return super().callback_funcs_for_metrics(message)
 
     def terminate(self, msg_type='finish'):
         if self._finish_sent:
             return
         self._finish_sent = True
+        self.procedure.finish_round()
         if self.checkpoints.due(rounds_done=self.total_round_num):
             self._ask_checkpoint(self.total_round_num - 1)
             if _is_distributed(self._cfg):
@@ -619,6 +643,7 @@ class PluginClient(Client):
         own = resolved_client_config(config, None, method_cls, data)
         own = own if to_plain(own) != to_plain(config) else config
         method = method_cls(own)
+        use_thread_setting(own)   # a distributed client builds no initial global model
         built = build_model(own, method)
         with _fs_worker_init(config), self._without_fs_nbafl(config):
             super().__init__(ID, server_id, state, config, data, built.model, device, strategy,
@@ -681,6 +706,7 @@ class PluginClient(Client):
     def callback_funcs_for_evaluate(self, message):
         self._resume_before(int(message.state) + 1)
         self.trainer.procedure.round_idx = int(message.state)   # PFL-Dynamic: what is visible
+        self.trainer.start_evaluation()
         super().callback_funcs_for_evaluate(message)
         self._save_if_due(int(message.state))
 
@@ -696,7 +722,9 @@ class PluginClient(Client):
         self.trainer.update(message.content)
         self.trainer.train()
         update = self.trainer.last_update
+        started = time.perf_counter()
         encoded = encode_update(update, _is_distributed(self._cfg))
+        encoded = with_encode_time(encoded, time.perf_counter() - started)
         check_message_size(self._cfg, encoded, f'the update of client {self.ID}')
         self.comm_manager.send(Message(
             msg_type='model_para', sender=self.ID, receiver=[message.sender], state=self.state,

@@ -86,8 +86,16 @@ class Codec:
         return pad_examples(examples, self.pad_token_id)
 
     def prompt_batch(self, records: list[dict]) -> dict:
-        return pad_examples([self.encode_prompt(r) for r in records], self.pad_token_id,
-                            left=True)
+        return self.pad_prompts([self.encode_prompt(r) for r in records])
+
+    def pad_prompts(self, prompts: list[dict]) -> dict:
+        """A generation batch of encoded prompts (`encode_prompt`'s), left-padded."""
+        return pad_examples(prompts, self.pad_token_id, left=True)
+
+    def prompt_of(self, record: dict, example: dict) -> dict:
+        """`encode_prompt(record)`, given `example`, the record's encoded example (a codec
+        whose examples begin with their prompt cuts it out instead of encoding again)."""
+        return self.encode_prompt(record)
 
     def decode(self, ids: torch.Tensor) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -151,6 +159,13 @@ class MultimodalCodec(Codec):
                              f"{len(example['input_ids'])} tokens (image tokens included), "
                              f"llm.tok_len = {self.max_len} leaves no room for the answer")
         return example
+
+    def prompt_of(self, record: dict, example: dict) -> dict:
+        """The prompt part of `example` (`encode` appends the answer to `encode_prompt`'s
+        output), so the images are not processed again."""
+        length = int((example['labels'] == IGNORE_INDEX).sum())
+        return {key: value[:length] if key in TOKEN_KEYS else value
+                for key, value in example.items() if key != 'labels'}
 
     def encode(self, record: dict) -> dict:
         example = self.encode_prompt(record)

@@ -7,23 +7,24 @@ live here, so client-local parameters and counters survive across rounds in both
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import time
 
 import torch
 
 from fs_plugins.core.seeding import derive_seed, use_deterministic_algorithms
 from fs_plugins.data import stream
-from fs_plugins.data.batches import BatchStream, eval_batches, local_steps
+from fs_plugins.data.batches import BatchStream, local_steps
 from fs_plugins.data.federated import nothing_fits_error
-from fs_plugins.data.multimodal import reference_answer
 from fs_plugins.methods.base import ClientUpdate, Method, Phase, activate_adapters
-from fs_plugins.metrics.generation_metrics import GENERATION_METRICS, configure_generation_metrics
 from fs_plugins.models.builders import BuiltModel
 from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.models.precision import DTYPES, forward_context, grad_scaler, place_model
 from fs_plugins.run.artifacts import client_dir, save_client_model
+from fs_plugins.run.evaluation import EvalTimes, evaluation_metrics, modality_groups, token_metrics
 from fs_plugins.run.flops import StepCounter, measured_relative_cost, phase_key
 from fs_plugins.run.optim import build_optimizer, build_scheduler, schedule_window
 from fs_plugins.run.privacy import nbafl_settings, private_upload, upload_sigma
@@ -57,6 +58,69 @@ def matched_phases(phases: list[Phase], relative_cost: float) -> list[Phase]:
     for i in sorted(range(len(phases)), key=lambda i: (steps[i] - quotas[i], i))[:target - sum(steps)]:
         steps[i] += 1
     return [dataclasses.replace(p, steps=n) for p, n in zip(phases, steps)]
+
+
+def trained_tokens(batch: dict) -> int:
+    """Non-padding input tokens of a (CPU) micro-batch: its attention mask's ones, else every
+    input id."""
+    mask = batch.get('attention_mask')
+    return int(mask.sum()) if mask is not None else int(batch['input_ids'].numel())
+
+
+class RoundClock:
+    """Wall seconds of a client's local rounds (time.perf_counter, no device sync: on an
+    accelerator a part ends where the host next waits). `extra_s`: the method's work beside the
+    plain training step, timed around its hooks (receive, phases, before_optimizer_step,
+    after_step, client_extra, client_metrics, NbAFL's noise) and, inside Method.loss,
+    everything but the model's own forward passes (FedMosaic's RELA gradients on W_s, FedProx's
+    proximal term); receives between two rounds count towards the next. `train_s`: the rest of
+    the round from begin_round to end_round (batches, forwards, backwards, optimiser steps)."""
+
+    def __init__(self):
+        self.extra_s = 0.0
+        self.started = self.extra_at_start = 0.0
+        self.tokens = 0
+
+    def begin(self) -> None:
+        self.started, self.extra_at_start, self.tokens = time.perf_counter(), self.extra_s, 0
+
+    @contextlib.contextmanager
+    def extra(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.extra_s += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def extra_beside(self, model: torch.nn.Module):
+        """The block's seconds count as extra, less those inside `model`'s forward passes
+        (forward hooks, present only for the block)."""
+        forward_s, opened = [0.0], []
+
+        def opening(module, args):
+            opened.append(time.perf_counter())
+
+        def closing(module, args, output):
+            forward_s[0] += time.perf_counter() - opened.pop()
+        handles = (model.register_forward_pre_hook(opening), model.register_forward_hook(closing))
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.extra_s += max(0.0, time.perf_counter() - started - forward_s[0])
+
+    def take(self) -> dict:
+        """The round's train_s, extra_s and tokens_per_s (trained tokens / train_s); extra
+        starts again from 0."""
+        extra_in_round = self.extra_s - self.extra_at_start
+        train_s = max(0.0, time.perf_counter() - self.started - extra_in_round)
+        times = {'train_s': train_s, 'extra_s': self.extra_s,
+                 'tokens_per_s': self.tokens / train_s if train_s > 0 else 0.0}
+        self.extra_s = 0.0
+        return times
 
 
 class ClientProcedure:
@@ -96,10 +160,13 @@ class ClientProcedure:
         self.flop_counter = StepCounter()
         self.step_phases: list[Phase] = []
         self.phase_flops: dict[tuple, int] = {}
+        self.clock = RoundClock()
+        self.eval_times = EvalTimes()   # evaluate()'s seconds, until take_eval_times()
 
     # ------------------------------------------------------------------ receive
     def receive(self, content: dict) -> None:
-        self.method.receive(self.model, content, self.state)
+        with self.clock.extra():
+            self.method.receive(self.model, content, self.state)
 
     # --------------------------------------------------------------- local round
     def steps_per_round(self) -> int:
@@ -118,14 +185,16 @@ class ClientProcedure:
         together) × grad.grad_accum_count."""
         # LoRA dropout (and any other draw during training) uses torch's global generator:
         # seeded per client and round, so it depends on neither the clients' order nor the runner
+        self.clock.begin()
         torch.manual_seed(derive_seed(self.cfg.seed, 'local_round', self.client_id, self.round_idx))
         if self.dynamic:
             self.stream.set_memory(self.memory_size(self.round_idx))
         self.method.round_idx = self.round_idx
         place_model(self.model, self.device)
-        phases = self.method.phases(self.steps_per_round(), self.cfg)
-        if self.cfg.fsplug.train.local_compute == 'matched':
-            phases = matched_phases(phases, self.relative_cost())
+        with self.clock.extra():
+            phases = self.method.phases(self.steps_per_round(), self.cfg)
+            if self.cfg.fsplug.train.local_compute == 'matched':
+                phases = matched_phases(phases, self.relative_cost())
         self.step_phases = expand_phases(phases)
         steps = len(self.step_phases)
         self.flop_counter.stop()
@@ -192,11 +261,12 @@ class ClientProcedure:
                 self.phase_flops[phase_key(phase)] = 0
                 self.flop_counter.start()
         batch, self.micro_weight = self.pending.pop(0)
+        self.clock.tokens += trained_tokens(batch)
         self.method.micro_index = self.accumulation - len(self.pending) - 1
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def compute_loss(self, batch: dict) -> torch.Tensor:
-        with forward_context(self.device, self.dtype):
+        with self.clock.extra_beside(self.model), forward_context(self.device, self.dtype):
             return self.method.loss(self.model, batch, self.state)
 
     def optimise(self, loss: torch.Tensor) -> bool:
@@ -227,7 +297,8 @@ class ClientProcedure:
             return
         if not self.method.gradient_free:
             self.scaler.unscale_(self.optimizer)
-            self.method.before_optimizer_step(self.model, self.state)
+            with self.clock.extra():
+                self.method.before_optimizer_step(self.model, self.state)
             clip = self.cfg.grad.grad_clip
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_([self.params[n] for n in self.trainable_names], clip)
@@ -235,7 +306,8 @@ class ClientProcedure:
             self.scaler.update()
             if self.scheduler is not None:
                 self.scheduler.step()
-        self.method.after_step(self.model, self.state)
+        with self.clock.extra():
+            self.method.after_step(self.model, self.state)
 
     def record(self, loss_value: float, batch_size: int) -> None:
         if math.isfinite(loss_value):
@@ -251,21 +323,25 @@ class ClientProcedure:
         self.optimizer = self.scheduler = None
         samples = self.stats['samples']
         shared = self.method.shared_tensors(self.model, self.trainable_names)
-        extra = self.method.client_extra(self.model, self.state)
+        with self.clock.extra():
+            extra = self.method.client_extra(self.model, self.state)
+            method_metrics = self.method.client_metrics(self.model, self.state)
         metrics = {'train_avg_loss': self.stats['loss_sum'] / samples if samples else float('nan'),
                    'train_steps': self.stats['steps'],
                    # the round's compute (fsplug.train.local_compute): optimiser steps planned,
                    # FLOPs (fs_plugins.run.flops), the relative cost to SFT used or declared
                    'local_steps': len(self.step_phases), 'local_flops': self.round_flops(),
-                   **self.method.client_metrics(self.model, self.state)}
+                   **method_metrics}
         cost = self.relative_cost()
         if cost is not None:
             metrics['relative_cost'] = cost
         nbafl = nbafl_settings(self.cfg)
         if nbafl is not None:   # NbAFL clips and noises the upload only, not the client's model
-            shared = private_upload(shared, nbafl, len(self.train_data), int(self.cfg.seed),
-                                    self.client_id, self.round_idx)
+            with self.clock.extra():
+                shared = private_upload(shared, nbafl, len(self.train_data), int(self.cfg.seed),
+                                        self.client_id, self.round_idx)
             metrics['nbafl_sigma_u'] = upload_sigma(nbafl, len(self.train_data))
+        metrics.update(self.clock.take())
         return ClientUpdate(self.client_id, samples, shared, extra, metrics,
                             dataset_size=len(self.train_data))
 
@@ -277,6 +353,13 @@ class ClientProcedure:
             self.optimise(loss)
             self.record(loss.item(), batch['input_ids'].shape[0])
         return self.end_round()
+
+    def evaluate_splits(self, splits=EVAL_SPLITS) -> dict:
+        """evaluate() on each split, with the seconds it took (take_eval_times): an eval row."""
+        metrics = {}
+        for split in splits:
+            metrics.update(self.evaluate(split))
+        return {**metrics, **self.take_eval_times()}
 
     # ----------------------------------------------------------------- artifacts
     def save_model(self, run_dir: str, round_idx: int) -> int:
@@ -301,28 +384,33 @@ class ClientProcedure:
         place_model(self.model, self.device)
         was_training = self.model.training
         self.model.eval()
+        path = self.predictions_path if split == 'test' else None
+        times = self.eval_times
+        started = time.perf_counter()
         try:
             with forward_context(self.device, self.dtype):
-                results = self._token_metrics(dataset, split)
-                if self.cfg.fsplug.eval.generate:
-                    results.update(self._generation_metrics(dataset, split))
+                results = evaluation_metrics(self.model, dataset, self.cfg.fsplug.eval,
+                                             self._eval_batch_size(), split, self.device,
+                                             predictions=(path, self.client_id) if path else None,
+                                             groups=modality_groups(dataset), times=times)
         finally:
             self.model.train(was_training)
+            times.add('eval', time.perf_counter() - started)
         return results
+
+    def take_eval_times(self) -> dict:
+        """{'eval_s', 'eval_prefill_s', 'eval_generate_s'}: seconds evaluate() spent since the
+        last call (all of it; the forward passes over prompts and examples; the new tokens'
+        decoding), then reset to 0."""
+        return self.eval_times.take()
 
     def _eval_batch_size(self) -> int:
         return self.cfg.fsplug.eval.batch_size or self.batch_size
 
     def _token_metrics(self, dataset, split: str) -> dict:
+        """The token metrics alone (`evaluate` without generation)."""
         return token_metrics(self.model, dataset, self.collate, self._eval_batch_size(), split,
                              self.device, groups=modality_groups(dataset))
-
-    def _generation_metrics(self, dataset, split: str) -> dict:
-        path = self.predictions_path if split == 'test' else None
-        return generation_metrics(self.model, self.codec, dataset.records, self.cfg.fsplug.eval,
-                                  self._eval_batch_size(), split, self.device,
-                                  predictions=(path, self.client_id) if path else None,
-                                  groups=modality_groups(dataset))
 
 
 def micro_batch_weights(batches: list[dict], loss_units) -> list[tuple[dict, float]]:
@@ -334,108 +422,3 @@ def micro_batch_weights(batches: list[dict], loss_units) -> list[tuple[dict, flo
         return [(batch, 1.0 / len(batches)) for batch in batches]
     return [(batch, count / total) for batch, count in zip(batches, units)]
 
-
-def modality_groups(dataset) -> dict[str, list[int]]:
-    """{label: record indices} of an evaluation set whose records have different input
-    modalities ('image', 'audio', 'image+audio': the modalities each record feeds the model,
-    as its codec reads them), so each is also scored apart (UniFLoW's Tables 1-3 test every
-    modality separately), whenever the model has encoders of several modalities or the set
-    mixes kinds; {} for a codec without media."""
-    read = getattr(dataset.codec, 'record_modalities', None)
-    if read is None:
-        return {}
-    groups: dict[str, list[int]] = {}
-    for index, record in enumerate(dataset.records):
-        groups.setdefault('+'.join(read(record)) or 'text', []).append(index)
-    several = len(getattr(dataset.codec, 'modality_order', ())) > 1
-    return groups if len(groups) > 1 or several else {}
-
-
-def token_metrics(model, dataset, collate, batch_size: int, split: str, device='cpu',
-                  groups: dict[str, list[int]] | None = None) -> dict:
-    """Loss and accuracy of `model` on an encoded dataset as its codec scores them: answer
-    tokens and next-token accuracy (<split>_token_acc) for text, the class per example for a
-    classifier (<split>_acc). With `groups` ({label: record indices}) also each group's, as
-    <split>_<label>_*, from the same forward passes (the whole set's are their sums)."""
-    codec = dataset.codec
-    parts = ({label: dataset.subset_at(indices) for label, indices in groups.items()}
-             if groups else {None: dataset})
-    stats = {label: _token_stats(model, part, collate, batch_size, device)
-             for label, part in parts.items()}
-    total = [sum(values) for values in zip(*stats.values())]
-    results = _token_results(codec, split, *total, len(dataset))
-    if groups:
-        for label, part in parts.items():
-            results.update(_token_results(codec, f'{split}_{label}', *stats[label], len(part)))
-    return results
-
-
-def _token_stats(model, dataset, collate, batch_size: int, device) -> tuple[float, int, int]:
-    """(loss sum, correct, scored units) over `dataset`, as its codec scores them."""
-    loss_sum, correct, tokens = 0.0, 0, 0
-    for batch in eval_batches(dataset, collate, batch_size):
-        labels = batch.pop('labels')
-        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-        batch_loss, batch_correct, batch_tokens = dataset.codec.score(logits.cpu(), labels)
-        loss_sum, correct, tokens = loss_sum + batch_loss, correct + batch_correct, tokens + batch_tokens
-    return loss_sum, correct, tokens
-
-
-def _token_results(codec, prefix: str, loss_sum: float, correct: int, tokens: int,
-                   count: int) -> dict:
-    return {f'{prefix}_avg_loss': loss_sum / max(tokens, 1),
-            f'{prefix}_{codec.accuracy_metric}': correct / max(tokens, 1),
-            f'{prefix}_total': count}
-
-
-def generation_metrics(model, codec, records: list[dict], eval_cfg, batch_size: int, split: str,
-                       device='cpu', predictions: tuple | None = None,
-                       groups: dict[str, list[int]] | None = None) -> dict:
-    """fsplug.eval.gen_metrics of greedy answers to the first fsplug.eval.max_gen_samples
-    records; predictions=(path, client id) also writes the answers there. With `groups`
-    ({label: record indices}) the cap applies per group (each test modality gets answers)
-    and the same answers are also scored per group, as <split>_<label>_<metric>."""
-    cap = eval_cfg.max_gen_samples
-    groups = groups or {}
-    chosen = (sorted(i for indices in groups.values() for i in indices[:cap or len(indices)])
-              if groups else list(range(min(cap or len(records), len(records)))))
-    records = [records[i] for i in chosen]
-    answers = generate_answers(model, codec, records, batch_size, eval_cfg.max_new_tokens, device)
-    references = [reference_answer(r) for r in records]
-    if predictions:
-        write_predictions(predictions[0], predictions[1], records, answers)
-    configure_generation_metrics(eval_cfg)
-    position = {index: k for k, index in enumerate(chosen)}
-    scored = {split: list(range(len(records)))}
-    for label, indices in groups.items():
-        scored[f'{split}_{label}'] = [position[i] for i in indices if i in position]
-    return {f'{prefix}_{name}': GENERATION_METRICS[name]([answers[k] for k in kept],
-                                                         [references[k] for k in kept])
-            for prefix, kept in scored.items() if kept for name in eval_cfg.gen_metrics}
-
-
-def generate_answers(model, codec, records: list[dict], batch_size: int, max_new_tokens: int,
-                     device='cpu') -> list[str]:
-    """Greedy answers, `batch_size` left-padded prompts at a time."""
-    from transformers import GenerationConfig
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
-                              pad_token_id=codec.pad_token_id, eos_token_id=codec.stop_token_id)
-    answers = []
-    for start in range(0, len(records), batch_size):
-        batch = codec.prompt_batch(records[start:start + batch_size])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        output = model.generate(**batch, generation_config=config)
-        answers += [codec.decode(row) for row in output[:, batch['input_ids'].shape[1]:].cpu()]
-    return answers
-
-
-def write_predictions(path: str, client_id: int, records: list[dict], predictions: list[str]):
-    import json
-    import os
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    with open(path, 'w', encoding='utf-8') as handle:
-        for record, prediction in zip(records, predictions):
-            handle.write(json.dumps({
-                'client': client_id, 'id': record.get('id'),
-                'question': record.get('question', record.get('instruction')),
-                'prediction': prediction, 'reference': reference_answer(record)}) + '\n')

@@ -21,6 +21,12 @@ SUMMARY_COLUMNS = ('samples', 'bytes_up', 'bytes_down')
 # accuracy columns that also get <name>_auc in the summary: the mean over all evaluations, the
 # A_AUC of Koh et al. 2022 beside the last evaluation's A_last (fs_plugins.data.stream)
 AUC_OF = 'token_acc'
+# a results row's seconds (train_s, extra_s, eval_s, aggregate_s, round_s, ...) and rates
+# (tokens_per_s) end in this: they differ from run to run, so runner and resume comparisons
+# leave them out (`without_times`)
+TIME_SUFFIX = '_s'
+SERVER_ID = 0   # the 'client' of a server row: the server's id in FS
+TIME_PARTS = ('train', 'extra', 'eval', 'aggregation_wire', 'other')
 
 
 def payload_bytes(tensors: dict) -> int:
@@ -54,6 +60,9 @@ class ResultsLog:
         with open(os.path.join(out_dir, 'run_info.json'), 'w', encoding='utf-8') as handle:
             json.dump(run_info, handle, indent=2, default=str)
         self.client_names: dict[int, str] = dict(run_info.get('client_names', {}))
+        # FS distributed: clients train at the same time, so a round's critical path is its
+        # slowest client's (time_split)
+        self.clients_in_parallel = clients_in_parallel(run_info)
         self.run_label = run_label(run_info)
         # the method's `client_groups(client_ids) -> {label: [client ids]}` (e.g. FLAME's
         # budget levels): the summary gets one row per group, the mean over its clients
@@ -88,6 +97,10 @@ class ResultsLog:
         self.log({'round': round_idx, 'client': client_id, 'kind': 'train', 'samples': samples,
                   'bytes_up': bytes_up, 'bytes_down': bytes_down, **metrics})
 
+    def log_server(self, round_idx: int, times: dict) -> None:
+        """The server's row of a round: aggregate_s, encode_s, decode_s, round_s."""
+        self.log({'round': round_idx, 'client': SERVER_ID, 'kind': 'server', **times})
+
     def log_rejection(self, round_idx: int, client_id: int, reason: str) -> None:
         self.log({'round': round_idx, 'client': client_id, 'kind': 'rejected', 'reason': reason})
 
@@ -112,12 +125,12 @@ class ResultsLog:
         last_eval: dict[int, dict] = {}
         curves: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for row in self.rows:
-            cid = row['client']
             if row['kind'] == 'train':
                 for key in SUMMARY_COLUMNS:
-                    totals[cid][key] += row.get(key, 0)
+                    totals[row['client']][key] += row.get(key, 0)
             elif row['kind'] == 'eval':
-                last_eval[cid] = dict(row)
+                cid = row['client']
+                last_eval[cid] = {k: v for k, v in row.items() if not is_time_column(k)}
                 for key in row:
                     if key.endswith(AUC_OF):
                         curves[cid][key].append(row[key])
@@ -159,11 +172,14 @@ class ResultsLog:
         if by_modality:
             lines += ['', 'By test modality (the mean over clients of their last evaluation; '
                           "UniFLoW's Tables 1-3 layout):", *by_modality]
+        split = time_split(self.rows, self.clients_in_parallel)
+        if split['rounds']:
+            lines += ['', *time_split_markdown(split, self.clients_in_parallel)]
         return '\n'.join(lines)
 
     def modality_table(self, columns: list[str], table: list[dict]) -> list[str]:
         """The 'average' row's per-modality test metrics (<split>_<modality>_<metric>, from
-        run.client.modality_groups) as one row, grouped by test modality: the layout of
+        run.evaluation.modality_groups) as one row, grouped by test modality: the layout of
         UniFLoW's Tables 1-3 (Image: Acc, P/R/F BERTScore, then Audio: the same)."""
         average = next((row for row in table if row['client'] == 'average'), None)
         labels = modality_labels(columns)
@@ -186,6 +202,92 @@ class ResultsLog:
         if not self._jsonl.closed:
             self._jsonl.close()
         return summary
+
+
+def is_time_column(name: str) -> bool:
+    return name.endswith(TIME_SUFFIX)
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    """The rows without their time columns and without the server rows (which hold only
+    times): what two runs of the same config and seed must agree on."""
+    return [{k: v for k, v in row.items() if not is_time_column(k)} for row in rows
+            if row['kind'] != 'server']
+
+
+def clients_in_parallel(run_info: dict) -> bool:
+    """Whether the run's clients train at the same time: FS distributed (each in its own
+    process); the embedded runner and FS standalone run them one after another."""
+    mode = ((run_info.get('config') or {}).get('federate') or {}).get('mode', '')
+    return run_info.get('runner') == 'federatedscope' and str(mode).lower() == 'distributed'
+
+
+def _client_seconds(rows: list[dict]) -> dict:
+    """{client: [train, extra, eval, wire]} seconds of one round's client rows (wire: the
+    client's encode_s of its update)."""
+    seconds: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    for row in rows:
+        parts = seconds[row['client']]
+        if row['kind'] == 'train':
+            parts[0] += row.get('train_s', 0.0)
+            parts[1] += row.get('extra_s', 0.0)
+            parts[3] += row.get('encode_s', 0.0)
+        elif row['kind'] == 'eval':
+            parts[2] += row.get('eval_s', 0.0)
+    return seconds
+
+
+def time_split(rows: list[dict], parallel: bool = False) -> dict:
+    """Where the rounds' time went, over the rounds that have a server row: seconds and
+    shares (%) of training (train_s), the method's extra work (extra_s), evaluation (eval_s),
+    aggregation and wire (the server's aggregate_s, encode_s, decode_s, and the clients'
+    encode_s) and other (the rest of Σ round_s: sampling, content, saving, FS's own work).
+
+    Clients one after another (`parallel` False: the embedded runner, FS standalone) add up.
+    Clients at the same time (FS distributed) count as the round's critical path: per round,
+    the parts of the client whose train + extra + eval + encode is largest. Where the parts
+    exceed Σ round_s (clocks of different processes), they are the total and other is 0, so
+    the shares always sum to 100.
+
+    Keys: train_s, extra_s, eval_s, aggregation_wire_s, other_s, total_s, the same with _pct
+    for the shares, and rounds (how many rounds were counted; 0: no share is meaningful)."""
+    by_round: dict = defaultdict(list)
+    servers = {}
+    for row in rows:
+        if row.get('kind') == 'server':
+            servers[row['round']] = row
+        elif row.get('kind') in ('train', 'eval'):
+            by_round[row['round']].append(row)
+    seconds = dict.fromkeys(TIME_PARTS, 0.0)
+    round_total = 0.0
+    for round_idx, server in servers.items():
+        clients = list(_client_seconds(by_round[round_idx]).values())
+        if parallel:
+            clients = [max(clients, key=sum)] if clients else []
+        for part, index in (('train', 0), ('extra', 1), ('eval', 2), ('aggregation_wire', 3)):
+            seconds[part] += sum(parts[index] for parts in clients)
+        seconds['aggregation_wire'] += sum(server.get(k, 0.0)
+                                           for k in ('aggregate_s', 'encode_s', 'decode_s'))
+        round_total += server.get('round_s', 0.0)
+    measured = sum(seconds.values())
+    total = max(round_total, measured)
+    seconds['other'] = total - measured
+    split = {f'{part}_s': value for part, value in seconds.items()}
+    split.update({f'{part}_pct': 100.0 * value / total if total > 0 else 0.0
+                  for part, value in seconds.items()})
+    return {**split, 'total_s': total, 'rounds': len(servers)}
+
+
+def time_split_markdown(split: dict, parallel: bool) -> list[str]:
+    counted = ("per round, the slowest client's (clients in parallel)" if parallel
+               else 'clients one after another')
+    names = {'train': 'training', 'extra': 'method extra', 'eval': 'evaluation',
+             'aggregation_wire': 'aggregation and wire', 'other': 'other'}
+    header = (f"Where the rounds' time went (Σ round_s {split['total_s']:.2f} s over "
+              f"{split['rounds']} rounds; {counted}):")
+    row = {names[part]: f"{split[part + '_pct']:.1f}% ({split[part + '_s']:.2f} s)"
+           for part in TIME_PARTS}
+    return [header, *_markdown(list(row), [row])]
 
 
 def run_label(run_info: dict) -> str:

@@ -1,11 +1,15 @@
 """Pieces of a run both runners need: the device, the results directory, run metadata,
-the server's initial shared state."""
+torch's thread count, the server's initial shared state."""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
+import torch
+
 from fs_plugins.core.errors import ConfigError
+from fs_plugins.core.threads import thread_count, usable_cores
 from fs_plugins.data.federated import FederatedRecords, split_records
 from fs_plugins.methods.base import Method
 from fs_plugins.methods.building import build_model
@@ -13,6 +17,8 @@ from fs_plugins.methods.specs import split_spec
 from fs_plugins.run.artifacts import model_layout
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import Cfg, client_config, data_name, merge, model_path, to_plain
+
+logger = logging.getLogger(__name__)
 
 
 def build_federated_records(cfg) -> FederatedRecords:
@@ -48,9 +54,28 @@ def run_info(cfg, runner: str, client_names: dict, client_cfgs: dict | None = No
             'client_cfgs': {str(k): to_plain(v) for k, v in (client_cfgs or {}).items()}}
 
 
+def use_thread_setting(cfg) -> int:
+    """Sets torch's CPU threads in this process from fsplug.threads (core.threads.thread_count)
+    and returns the number. FS standalone has set 1 by then (its runner's choice); the setting
+    replaces it, so both runners of one YAML use the same count."""
+    threads = thread_count(int(cfg.fsplug.threads))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    logger.info(f'fs-plugins: torch uses {threads} CPU thread(s) (fsplug.threads = '
+                f'{cfg.fsplug.threads})')
+    if not int(cfg.fsplug.threads) and threads < usable_cores():
+        # a float sum's order follows the thread count: the numbers are reproducible at a fixed one
+        logger.warning(f'fs-plugins: the machine is busy, so torch uses {threads} of '
+                       f'{usable_cores()} cores; set fsplug.threads to fix the count (the same '
+                       f'YAML and seed give identical numbers at the same thread count)')
+    return threads
+
+
 def initial_global(cfg, method: Method):
     """The server's starting point, from a freshly built global model (then dropped): its
-    shared parameters and the layout the global state is saved with (artifacts.ModelLayout)."""
+    shared parameters and the layout the global state is saved with (artifacts.ModelLayout).
+    Both runners call it first, so it also sets the run's thread count (`use_thread_setting`)."""
+    use_thread_setting(cfg)
     built = build_model(cfg, method)
     return (method.shared_tensors(built.model, built.trainable_names),
             model_layout(built.model, built.trainable_names))

@@ -9,6 +9,7 @@ and fsplug.aggregation.robust bounds what one client can move (fs_plugins.aggreg
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -84,8 +85,13 @@ class ServerProcedure:
         # NbAFL's m: each client's training records, as its accepted updates report them
         self.dataset_sizes: dict[int, int] = {}
         self.content_round = 0   # the training round whose content content_for gives
+        self.round_times: dict | None = None   # the open round's server row (`finish_round`)
 
     def sample(self, round_idx: int, client_ids) -> list[int]:
+        """The round's clients; the round's clock starts here (`finish_round` logs it)."""
+        self.finish_round()
+        self.round_times = {'round': round_idx, 'started': time.perf_counter(),
+                            'aggregate_s': 0.0, 'encode_s': 0.0, 'decode_s': 0.0}
         self.content_round = round_idx
         return sample_clients(self.cfg.seed, round_idx, client_ids,
                               int(self.cfg.federate.sample_client_num))
@@ -114,8 +120,34 @@ class ServerProcedure:
         return private_broadcast(content, self.nbafl, min(self.dataset_sizes.values()),
                                  self.cfg.seed, self.content_round)
 
+    def add_wire_times(self, encode_s: float = 0.0, decode_s: float = 0.0) -> None:
+        """Seconds the server's transport spent encoding content and decoding updates in
+        the open round (FS's wire; the embedded runner has none)."""
+        if self.round_times is not None:
+            self.round_times['encode_s'] += encode_s
+            self.round_times['decode_s'] += decode_s
+
+    def finish_round(self) -> None:
+        """Logs the open round's server row (aggregate_s, encode_s, decode_s, and round_s:
+        wall seconds from `sample` to now), if a round is open. The runners call it once the
+        round's evaluation and saving are done, before a checkpoint counts the rows."""
+        if self.round_times is None:
+            return
+        times, self.round_times = self.round_times, None
+        round_s = time.perf_counter() - times.pop('started')
+        self.results.log_server(times.pop('round'), {**times, 'round_s': round_s})
+
     def aggregate(self, round_idx: int, updates: list[ClientUpdate]) -> None:
-        """Aggregates the round's valid updates (invalid ones are logged and left out)."""
+        """Aggregates the round's valid updates (invalid ones are logged and left out);
+        its seconds, validation included, are the round's aggregate_s."""
+        started = time.perf_counter()
+        try:
+            self._aggregate(round_idx, updates)
+        finally:
+            if self.round_times is not None:
+                self.round_times['aggregate_s'] += time.perf_counter() - started
+
+    def _aggregate(self, round_idx: int, updates: list[ClientUpdate]) -> None:
         updates = sorted(updates, key=lambda u: u.client_id)
         self.content_round = round_idx + 1
         for update in updates:

