@@ -4,6 +4,9 @@ the bytes up and down per round. No pretrained weight is read.
 
 - Parameters, weights, adapters, gradients, optimiser state and bytes sent come from the whole
   model built on the meta device (shapes only) by the run's own builder, adapter and method.
+  Every trainable tensor counts in float32 (4 bytes, its gradient as much, and the optimiser's
+  state); under full fine-tuning (fsplug.fedavg / standalone.full_finetune) that is every
+  weight, and the note says so.
 - Activations are what autograd keeps for backward, counted (saved-tensor hooks) in forwards
   of the same model at reduced depth with random weights on the CPU: 1 and 2 language-model
   layers (and vision-tower layers) at the real width, 1 and 2 samples of `seq_len` tokens (plus
@@ -346,11 +349,21 @@ def estimate_client(cfg, client: int, seq_len: int | None = None, activations: b
         note = '; '.join(filter(None, [note, 'sent = trainable' if not activations or acts[0] is None
                                       else 'sent scaled from the probe']))
         comm.update(mb_down=sent[0] / 1e6, down_note='down = up')
+    if trainable and not frozen:
+        note = '; '.join(filter(None, [note, full_finetune_note(adapters, optimizer)]))
     mb_up = (sent[0] + comm['mb_extra'] * 1e6) / 1e6
     return Estimate(client, sum(p.numel() for p in frozen.values()), trainable_count, sent[1],
                     weights / GIB, adapters / GIB, optimizer / GIB,
                     *[None if a is None else float(a) for a in acts],
                     mb_up=mb_up, batch=batch, seq_len=seq, note=note, **comm)
+
+
+def full_finetune_note(weight_bytes: float, optimizer_bytes: float) -> str:
+    """The line for a model whose every weight trains (fsplug.<method>.full_finetune): where
+    its static memory goes, in float32."""
+    return (f'full fine-tuning: every weight trains in float32: weights {weight_bytes / GIB:.2f} '
+            f'+ gradients {weight_bytes / GIB:.2f} + optimiser state {optimizer_bytes / GIB:.2f} '
+            f'GiB (in adapters + grads + optimiser)')
 
 
 def estimate_run(cfg, client_cfgs=None, seq_len: int | None = None,

@@ -36,6 +36,14 @@ class PluginTrainer(LLMTrainer):
         ctx.loss_regular_total = CtxVar(0., LIFECYCLE.ROUTINE)
         ctx.num_samples = CtxVar(0, LIFECYCLE.ROUTINE)
 
+    def _run_epoch(self, hooks_set, run_step=-1):
+        """A training round without a local step (Method.trains False: zero_shot) runs no
+        batch: FS's context reads a batch count of 0 as unset and would count batches from
+        the config."""
+        if self.ctx.cur_mode in (MODE.TRAIN, MODE.FINETUNE) and not self.procedure.step_phases:
+            return
+        super()._run_epoch(hooks_set, run_step)
+
     def _hook_on_epoch_start(self, ctx):
         pass
 

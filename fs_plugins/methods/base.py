@@ -134,6 +134,9 @@ class Method:
     # True: local steps only evaluate `loss` (no backward, no optimiser step), e.g. LoRAHub's
     # gradient-free search, where the loss scores candidates the server proposed
     gradient_free: ClassVar[bool] = False
+    # False: nothing trains (zero_shot): the model may have no trainable tensor, a round has no
+    # local step and no optimiser, and nothing is sent
+    trains: ClassVar[bool] = True
     # FLOPs of the method's local round over SFT's (FedAvg-LoRA's) when every phase runs
     # train.local_update_steps, as a paper states it (FedMosaic Table 15, "relative C to SFT");
     # fsplug.train.local_compute 'matched' divides the round's steps by it. None: measured

@@ -40,7 +40,7 @@ def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
     if share_frozen and not method.modifies_frozen_weights and spec.model.quantization == 'none':
         share_frozen_tensors(model, (spec.model.builder, spec.path, spec.model.dtype), base_params)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    if not trainable:
+    if not trainable and method.trains:
         raise ConfigError("The model has no trainable parameters after LoRA injection; "
                           "check fsplug.model.lora.target_modules")
     return BuiltModel(model, base.codec, trainable)

@@ -1,13 +1,17 @@
-"""Standalone: each client trains only on its own data; nothing is communicated."""
-from fs_plugins.methods.base import ClientUpdate, Method
+"""Standalone: each client trains only on its own data; nothing is communicated. With
+`full_finetune` (as FedAvg's, fs_plugins/methods/fedavg.py) every weight trains instead of LoRA."""
+from fs_plugins.methods.base import ClientUpdate
+from fs_plugins.methods.fedavg import FullFinetuneConfig, FullFinetuneOption
 from fs_plugins.methods.registry import register_method
 
 
 @register_method
-class Standalone(Method):
+class Standalone(FullFinetuneOption):
     name = 'standalone'
-    summary = 'each client trains on its own data only'
+    summary = ('each client trains on its own data only '
+               '(fsplug.standalone.full_finetune: every weight, no LoRA)')
     sent = 'nothing / nothing'
+    config_class = FullFinetuneConfig
 
     def is_shared(self, name: str) -> bool:
         return False

@@ -379,6 +379,7 @@ def fedavg_lora_up_bytes(cfg) -> int | None:
     the model gets no LoRA tensor. The audit and `fs-plugins estimate` set methods beside it."""
     plain = to_plain(cfg)
     plain['fsplug']['method'] = 'fedavg'
+    plain['fsplug'].pop('fedavg', None)   # LoRA, not fsplug.fedavg.full_finetune
     plain['fsplug']['model']['adapter'] = 'lora'
     plain['fsplug']['model']['quantization'] = 'none'
     fedavg_cfg = Cfg.wrap(plain)

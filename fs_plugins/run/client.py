@@ -192,23 +192,29 @@ class ClientProcedure:
         self.method.round_idx = self.round_idx
         place_model(self.model, self.device)
         with self.clock.extra():
-            phases = self.method.phases(self.steps_per_round(), self.cfg)
-            if self.cfg.fsplug.train.local_compute == 'matched':
-                phases = matched_phases(phases, self.relative_cost())
-        self.step_phases = expand_phases(phases)
+            self.step_phases = self._round_phases() if self.method.trains else []
         steps = len(self.step_phases)
         self.flop_counter.stop()
         self.phase_flops = {}   # FLOPs of the round's first step of each phase
         self.model.train()
-        self.optimizer = build_optimizer(self._param_groups(), self.cfg.train.optimizer)
-        total, start = schedule_window(self.cfg.fsplug.train.lr_schedule, self.round_idx,
-                                       int(self.cfg.federate.total_round_num), steps)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.train.scheduler, total, start)
+        self.optimizer = self.scheduler = None   # a method that trains nothing has neither
+        if steps:
+            self.optimizer = build_optimizer(self._param_groups(), self.cfg.train.optimizer)
+            total, start = schedule_window(self.cfg.fsplug.train.lr_schedule, self.round_idx,
+                                           int(self.cfg.federate.total_round_num), steps)
+            self.scheduler = build_scheduler(self.optimizer, self.cfg.train.scheduler, total, start)
         self.scaler = grad_scaler(self.device, self.dtype)
         self.step_index, self.current_phase = 0, None
         self.pending: list[tuple[dict, float]] = []   # the open step's micro-batches to come
         self.stats = {'loss_sum': 0.0, 'samples': 0, 'steps': 0, 'skipped': 0}
         return steps * self.accumulation
+
+    def _round_phases(self) -> list[Phase]:
+        """The phase of each local step of this round (Method.phases, matched compute)."""
+        phases = self.method.phases(self.steps_per_round(), self.cfg)
+        if self.cfg.fsplug.train.local_compute == 'matched':
+            phases = matched_phases(phases, self.relative_cost())
+        return expand_phases(phases)
 
     def relative_cost(self) -> float | None:
         """The method's round FLOPs over SFT's: fsplug.train.relative_cost when set, else the
