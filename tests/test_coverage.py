@@ -7,6 +7,7 @@ import sys
 import pytest
 from helpers import REPO, tiny_yaml_of
 
+from fs_plugins.commands.reproduce import numbers_problems
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.run.config import ConfigError, load_config
 
@@ -66,3 +67,15 @@ def test_no_row_waits_for_a_planned_method():
     waiting = [row['row'] for t in TABLES for row in t['rows']
                if row.get('method') is None and 'planned' in row['reason']]
     assert not waiting, waiting
+
+
+@pytest.mark.parametrize('table', TABLES, ids=[f"{t['paper']}-{t['table']}" for t in TABLES])
+def test_every_row_has_the_papers_numbers_or_says_why(table):
+    """Each table lists the paper's columns and every row its number for each (or the reason
+    why none, e.g. a number the text extraction lost), or says why it is not transcribed yet."""
+    assert not numbers_problems(table), '\n'.join(numbers_problems(table))
+
+
+def test_every_paper_has_a_table_with_its_numbers():
+    complete = {t['paper'] for t in TABLES if 'columns' in t and not numbers_problems(t)}
+    assert complete == set(gen_reference.PAPERS), set(gen_reference.PAPERS) - complete

@@ -18,6 +18,9 @@ as local processes, with TLS and token authentication unless `--secure none`;
 (see fs_plugins.commands.launch); `--secure token|certificate` adds TLS and client
 authentication there. `fs-plugins credentials --out DIR --clients N [--hosts H1,H2]` makes the
 CA, certificates, keys and client tokens for it (see fs_plugins.commands.credentials).
+`fs-plugins reproduce PAPER TABLE [--rows ...] [--seeds ...] [--dry-run] [--scale tiny|paper]`
+runs a paper's results table and prints it beside the paper's numbers (see
+fs_plugins.commands.reproduce, docs/reproduce.md).
 
 With FederatedScope importable (and --runner auto or fs) the YAML runs through FS's own
 main.py; otherwise through the embedded runner, which says so in its first log line.
@@ -34,6 +37,7 @@ import os
 import runpy
 import sys
 
+from fs_plugins.commands import reproduce as reproducing
 from fs_plugins.commands.credentials import CredentialsError, make_credentials, party_files
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema.loading import read_yaml
@@ -332,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument('opts', nargs=argparse.REMAINDER, help='key value overrides')
     _launch_parser(sub)
     _credentials_parser(sub)
+    reproducing.add_parser(sub)
     listing = sub.add_parser('methods', help='list the registered methods, one per line')
     listing.add_argument('--import', dest='modules', nargs='*', default=[],
                          help='modules to import first (as fsplug.import_modules)')
@@ -383,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         return launch(args)
     if args.command == 'credentials':
         return credentials(args)
+    if args.command == 'reproduce':
+        return reproducing.main(args)
 
     args.opts = run_switches(args) + list(args.opts)
     with_fs = args.runner != 'embedded' and fs_available()

@@ -35,7 +35,9 @@ METHODS = {
         'beta2': ('float', 0.99, {'ge': 0, 'lt': 1}),
         'tau': ('float', 0.001, {'gt': 0}),
     },
-    'fedavg': {},
+    'fedavg': {
+        'full_finetune': ('bool', False, {}),
+    },
     'feddat': {
         'kd_weight': ('float', 0.5, {'ge': 0, 'le': 1}),
         'kd_temperature': ('float', 3.0, {'gt': 0}),
@@ -77,6 +79,13 @@ METHODS = {
         'include_self': ('bool', True, {}),
         'pivot_builder': ('str', '', {}),
         'pivot_model_type': ('str', '', {}),
+        'rela_model': ('str', 'small', {'choices': ['small', 'training']}),
+        'small_builder': ('str', '', {}),
+        'small_model_type': ('str', '', {}),
+        'small_quantization': ('str', 'none', {'choices': ['none', '8bit', '4bit']}),
+        'align_a': ('bool', True, {}),
+        'align_b': ('bool', True, {}),
+        'local_only': ('bool', False, {}),
         'pq_lr': ('float', 0.0, {'ge': 0}),
         'alignment': ('str', 'compute', {'choices': ['compute', 'require']}),
         'alignment_dir': ('str', '', {}),
@@ -159,7 +168,9 @@ METHODS = {
         'router_init_std': ('float', 0.02, {'ge': 0}),
         'expert_granularity': ('str', 'rank', {'choices': ['rank', 'module']}),
     },
-    'standalone': {},
+    'standalone': {
+        'full_finetune': ('bool', False, {}),
+    },
     'uniflow': {
         'aggregation': ('str', 'fed_a2', {'choices': ['fed_a2', 'fedavg', 'ffa', 'fedsa', 'fedex']}),
         'schedule': ('str', 'two_stage', {'choices': ['two_stage', 'reverse', 'round', 'simultaneous']}),
@@ -168,4 +179,5 @@ METHODS = {
         'projector_stage': ('str', 'encoder', {'choices': ['encoder', 'llm', 'both']}),
         'client_modalities': ('list[str]', ['auto'], {'choices': ['auto', 'image', 'audio'], 'min_items': 1}),
     },
+    'zero_shot': {},
 }
