@@ -219,7 +219,7 @@ def save_client_model(path: str, client_id: int, round_idx: int, cfg, method, mo
         raise ValueError(f"Method '{method.name}': artifact_extra repeats trained tensors {sorted(clash)}")
     with atomic_dir(path) as tmp:
         if peft_names:
-            model.save_pretrained(tmp)
+            save_peft_adapters(model, tmp)
         tensors = {**modules, **extra}
         if tensors:
             _save_tensors(tensors, os.path.join(tmp, MODULES_FILE))
@@ -231,6 +231,25 @@ def save_client_model(path: str, client_id: int, round_idx: int, cfg, method, mo
     logger.info(f'fs-plugins: client {client_id} model (round {round_idx}) -> {path}: '
                 f'{written} bytes')
     return written
+
+
+def save_peft_adapters(model, folder: str) -> None:
+    """What peft's `save_pretrained` writes for each adapter (adapter_config.json and
+    adapter_model.safetensors, 'default' at the root, others below), without the model card
+    it also renders (~0.5 s a client from huggingface_hub's template)."""
+    from peft import get_peft_model_state_dict
+    for adapter, config in model.peft_config.items():
+        sub = _peft_subdir(folder, adapter)
+        os.makedirs(sub, exist_ok=True)
+        saved = copy.copy(config)   # with what save_pretrained fills in
+        saved.inference_mode = True
+        saved.base_model_name_or_path = (config.base_model_name_or_path
+                                         or model.base_model.model.__dict__.get('name_or_path'))
+        saved.save_pretrained(sub, auto_mapping_dict=None if config.task_type else {
+            'base_model_class': type(model.base_model.model).__name__,
+            'parent_library': type(model.base_model.model).__module__})
+        _save_tensors(get_peft_model_state_dict(model, adapter_name=adapter),
+                      os.path.join(sub, PEFT_FILE))
 
 
 def _peft_subdir(folder: str, adapter: str) -> str:

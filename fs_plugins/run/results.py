@@ -98,15 +98,16 @@ class ResultsLog:
                   'bytes_up': bytes_up, 'bytes_down': bytes_down, **metrics})
 
     def log_server(self, round_idx: int, times: dict) -> None:
-        """The server's row of a round: aggregate_s, encode_s, decode_s, round_s."""
+        """The server's row of a round (aggregate_s, encode_s, decode_s, round_s), its last:
+        results.csv is rewritten here, once a round (results.jsonl has every row as it comes)."""
         self.log({'round': round_idx, 'client': SERVER_ID, 'kind': 'server', **times})
+        self.write_csv()
 
     def log_rejection(self, round_idx: int, client_id: int, reason: str) -> None:
         self.log({'round': round_idx, 'client': client_id, 'kind': 'rejected', 'reason': reason})
 
     def log_eval(self, round_idx: int, client_id: int, metrics: dict) -> None:
         self.log({'round': round_idx, 'client': client_id, 'kind': 'eval', **metrics})
-        self.write_csv()
 
     def write_csv(self) -> None:
         columns = list(dict.fromkeys(k for row in self.rows for k in row))
