@@ -1,12 +1,17 @@
-"""Small YAMLs for tests, derived from the shipped tiny YAML; the shipped YAMLs."""
+"""Small YAMLs for tests, derived from the shipped tiny YAML; the shipped YAMLs; a run's
+results without their times."""
 import copy
+import csv
 import glob
+import json
 import os
 
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, 'yamls', 'fedavg', 'tiny.yaml')
+# the heading of summary.md's last section, the time split (fs_plugins.run.results)
+TIME_SECTION = "\nWhere the rounds' time went"
 TESTS_DIR = os.path.join(REPO, 'tests')
 # FS-LLM's own baseline YAMLs plus fsplug.method: they carry FS keys only FederatedScope
 # honours (early_stop, federate.save_to, criterion, llm.chat), so they run through FS only
@@ -129,3 +134,29 @@ def outsiders_are_refused(server_port: int, security, other_ca: str | None = Non
         finally:
             manager.grpc_server.stop(0)
     return 'refused a message claiming to come from client 2'
+
+
+def untimed_rows(rows: list[dict]) -> list[dict]:
+    """The rows without their time columns (fs_plugins.run.results.is_time_column); a server
+    row keeps its round, client and kind, so where each row falls is still compared. Two runs
+    of one config and seed agree on these, not on the seconds."""
+    from fs_plugins.run.results import is_time_column
+    return [{k: v for k, v in row.items() if not is_time_column(k)} for row in rows]
+
+
+def untimed_results_file(folder, name: str):
+    """A run's results file without what differs from run to run: results.jsonl (or
+    results.superseded.jsonl) as untimed_rows, results.csv as its lines of cells without the
+    time columns, summary.md up to its time section (which must be there)."""
+    from fs_plugins.run.results import is_time_column
+    with open(os.path.join(folder, name), encoding='utf-8', newline='') as handle:
+        if name.endswith('.jsonl'):
+            return untimed_rows([json.loads(line) for line in handle if line.strip()])
+        if name.endswith('.csv'):
+            lines = list(csv.reader(handle))
+            kept = [i for i, column in enumerate(lines[0]) if not is_time_column(column)]
+            return [[line[i] for i in kept] for line in lines]
+        text = handle.read()
+    before, found, _ = text.partition(TIME_SECTION)
+    assert found, f"{name} in {folder} has no section '{TIME_SECTION.strip()}'"
+    return before

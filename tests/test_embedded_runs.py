@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import tiny_config, write_yaml
+from helpers import tiny_config, untimed_results_file, untimed_rows, write_yaml
 
 from fs_plugins.run.config import load_config
 from fs_plugins.sim.runner import run_embedded
@@ -33,6 +33,7 @@ def test_results_files_and_table(tmp_path, method, capsys):
     evals = [r for r in rows if r['kind'] == 'eval']
     assert len(train) == 2 * 4 and len(evals) == 2 * 4          # eval.freq 1, 2 rounds, 4 clients
     assert {r['client'] for r in evals} == {1, 2, 3, 4}
+    assert [(r['round'], r['client']) for r in rows if r['kind'] == 'server'] == [(0, 0), (1, 0)]
     for r in train:
         assert r['samples'] == 3 * 8 and r['train_steps'] == 3
         assert set(r) >= {'round', 'client', 'bytes_up', 'bytes_down', 'train_avg_loss'}
@@ -40,8 +41,8 @@ def test_results_files_and_table(tmp_path, method, capsys):
         assert 0.0 <= r['test_token_acc'] <= 1.0 and r['test_avg_loss'] > 0
     with open(os.path.join(results.out_dir, 'results.csv')) as handle:
         assert len(list(csv.DictReader(handle))) == len(rows)
-    with open(os.path.join(results.out_dir, 'summary.md')) as handle:
-        summary = handle.read()
+    # the per-client table (header, rule, 4 clients, average), then the time split
+    summary = untimed_results_file(results.out_dir, 'summary.md')
     assert summary.count('\n') == 2 + 4 + 1 and '1 (arith)' in summary
     with open(os.path.join(results.out_dir, 'run_info.json')) as handle:
         info = json.load(handle)
@@ -86,8 +87,8 @@ def test_standalone_sends_nothing_and_clients_diverge(tmp_path):
 
 
 def test_same_seed_same_numbers_other_seed_differs(tmp_path):
-    a = _rows(_run(tmp_path / 'a', 'fedavg'), 'eval')
-    b = _rows(_run(tmp_path / 'b', 'fedavg'), 'eval')
+    a = untimed_rows(_rows(_run(tmp_path / 'a', 'fedavg'), 'eval'))
+    b = untimed_rows(_rows(_run(tmp_path / 'b', 'fedavg'), 'eval'))
     c = _rows(_run(tmp_path / 'c', 'fedavg', seed=2), 'eval')
     assert a == b
     assert [r['test_avg_loss'] for r in a] != [r['test_avg_loss'] for r in c]
@@ -96,9 +97,9 @@ def test_same_seed_same_numbers_other_seed_differs(tmp_path):
 def test_lora_dropout_is_seeded(tmp_path):
     """Dropout draws from torch's global generator, which the client reseeds every round."""
     dropout = {'fsplug': {'model': {'lora': {'dropout': 0.3}}}}
-    a = _rows(_run(tmp_path / 'a', 'fedavg', **dropout), 'train')
+    a = untimed_rows(_rows(_run(tmp_path / 'a', 'fedavg', **dropout), 'train'))
     torch.rand(7)   # whatever drew from the global generator between the runs
-    b = _rows(_run(tmp_path / 'b', 'fedavg', **dropout), 'train')
+    b = untimed_rows(_rows(_run(tmp_path / 'b', 'fedavg', **dropout), 'train'))
     assert a == b
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import TESTS_DIR, env_with_tests, tiny_config, write_yaml
+from helpers import TESTS_DIR, env_with_tests, tiny_config, untimed_rows, write_yaml
 
 from fs_plugins.commands.launch import LocalFederation, party_command
 from fs_plugins.run.checkpoint import party_path
@@ -34,8 +34,9 @@ def _config(tmp_path, name, method='fedmole', rounds=3, steps=3, clients=2, **fs
 
 
 def _rows(run_dir):
+    """The run's rows without their times (helpers.untimed_rows), in a fixed order."""
     with open(os.path.join(run_dir, 'results.jsonl')) as handle:
-        rows = [json.loads(line) for line in handle]
+        rows = untimed_rows([json.loads(line) for line in handle])
     return sorted(rows, key=lambda r: (r['kind'], r['round'], r['client']))
 
 
@@ -64,8 +65,9 @@ def test_launch_runs_a_local_federation(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert 'round 2/2' in proc.stdout
     rows = _rows(str(tmp_path / 'run'))
-    assert {(r['kind'], r['round'], r['client']) for r in rows} == \
-        {(k, r, c) for k in ('train', 'eval') for r in (0, 1) for c in (1, 2)}
+    assert [(r['kind'], r['round'], r['client']) for r in rows] == sorted(
+        [(k, r, c) for k in ('train', 'eval') for r in (0, 1) for c in (1, 2)]
+        + [('server', r, 0) for r in (0, 1)])   # one server row per round
     for name in ('server', 'client_1', 'client_2'):   # each party's derived YAML and log
         assert os.path.isfile(tmp_path / 'run' / 'launch' / f'{name}.yaml')
         assert os.path.getsize(tmp_path / 'run' / 'launch' / f'{name}.log') > 0

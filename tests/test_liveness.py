@@ -231,7 +231,7 @@ def test_at_the_deadline_the_round_aggregates_what_arrived(make_server, logged):
     assert 'round 0: no metrics within' in logged.text and server.is_finish
     server._dispatch(_update(server, 2, round_idx=0))   # late: ignored
     kinds = [(r['kind'], r['client']) for r in server.procedure.results.rows]
-    assert kinds == [('rejected', 2), ('train', 1), ('eval', 1)]
+    assert kinds == [('rejected', 2), ('train', 1), ('eval', 1), ('server', 0)]
 
 
 def test_metrics_fs_cannot_summarise_do_not_stop_the_run(make_server, logged):
@@ -336,7 +336,7 @@ def test_a_stalled_client_is_left_out_at_the_deadline(tmp_path):
     with open(os.path.join(federation.run_dir, 'results.jsonl')) as handle:
         rows = [json.loads(line) for line in handle]
     assert sorted((r['kind'], r['round'], r['client']) for r in rows) == [
-        ('eval', 0, 1), ('rejected', 0, 2), ('train', 0, 1)]
+        ('eval', 0, 1), ('rejected', 0, 2), ('server', 0, 0), ('train', 0, 1)]
 
 
 def test_clients_end_when_the_server_is_gone_or_silent(tmp_path):

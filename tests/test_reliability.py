@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import toy_methods  # noqa: F401  (registers the test-only methods: covered like the others)
-from helpers import run_embedded_keeping_clients, tiny_yaml_of
+from helpers import run_embedded_keeping_clients, tiny_yaml_of, untimed_results_file, untimed_rows
 
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.registry import all_methods
@@ -61,6 +61,10 @@ def read(folder, name='results.jsonl') -> str:
         return handle.read()
 
 
+def read_rows(folder, name='results.jsonl') -> list[dict]:
+    return [json.loads(line) for line in read(folder, name).splitlines()]
+
+
 @pytest.mark.parametrize('method', METHODS)
 def test_a_run_stopped_and_resumed_ends_with_the_same_results(tmp_path, monkeypatch, method):
     """Round 0 is checkpointed, round 1 fails while its checkpoint is written, the resumed run
@@ -77,17 +81,19 @@ def test_a_run_stopped_and_resumed_ends_with_the_same_results(tmp_path, monkeypa
     assert checkpoint.latest_round(cut) == 0
     runner.run_embedded(tiny_cfg(tmp_path, method, 'cut', 'fsplug.checkpoint.resume_from', cut))
     for name in RESULT_FILES:
-        assert read(tmp_path / 'full', name) == read(cut, name), name
-    # the interrupted attempt's round-1 training rows are kept aside, not lost
-    superseded = [json.loads(line) for line in read(cut, 'results.superseded.jsonl').splitlines()]
-    assert {(row['round'], row['kind']) for row in superseded} == {(1, 'train'), (1, 'eval')}
+        assert untimed_results_file(tmp_path / 'full', name) == untimed_results_file(cut, name), name
+    # the interrupted attempt's round-1 rows are kept aside, not lost
+    superseded = read_rows(cut, 'results.superseded.jsonl')
+    assert {(row['round'], row['kind']) for row in superseded} == {(1, 'train'), (1, 'eval'),
+                                                                   (1, 'server')}
 
 
 def test_the_same_yaml_and_seed_give_identical_results_files(tmp_path):
     for name in ('first', 'second'):
         runner.run_embedded(tiny_cfg(tmp_path, 'flame', name, rounds=2))
     for name in RESULT_FILES:
-        assert read(tmp_path / 'first', name) == read(tmp_path / 'second', name), name
+        assert untimed_results_file(tmp_path / 'first', name) == \
+            untimed_results_file(tmp_path / 'second', name), name
 
 
 @pytest.mark.parametrize('where', ['train', 'aggregate', 'checkpoint'])
@@ -104,7 +110,8 @@ def test_a_fault_anywhere_in_a_round_leaves_a_checkpoint_to_resume(tmp_path, mon
     rows_before = read(cut).count('\n')
     runner.run_embedded(tiny_cfg(tmp_path, 'fedmole', 'cut', 'fsplug.checkpoint.resume_from',
                                  cut, rounds=3))
-    assert read(tmp_path / 'full') == read(cut)
+    assert untimed_results_file(tmp_path / 'full', 'results.jsonl') == \
+        untimed_results_file(cut, 'results.jsonl')
     assert rows_before >= 1
 
 
@@ -125,17 +132,17 @@ def test_a_finished_run_resumed_with_more_rounds_continues_it(tmp_path):
     grown = str(tmp_path / 'grown')
     runner.run_embedded(tiny_cfg(tmp_path, 'fedavg', 'grown', 'fsplug.checkpoint.resume_from',
                                  grown, rounds=3))
-    full = [json.loads(line) for line in read(tmp_path / 'full').splitlines()]
-    resumed = [json.loads(line) for line in read(grown).splitlines()]
+    full, resumed = untimed_rows(read_rows(tmp_path / 'full')), untimed_rows(read_rows(grown))
     # round 1's evaluation is the last of the 2-round run and an ordinary one of the 3-round run
-    assert [r for r in full if r['kind'] == 'train'] == [r for r in resumed if r['kind'] == 'train']
+    for kind in ('train', 'server'):
+        assert [r for r in full if r['kind'] == kind] == [r for r in resumed if r['kind'] == kind]
 
 
 # ------------------------------------------------------------------ results never lost
 def test_an_existing_results_directory_is_refused_unless_overwritten(tmp_path, capsys):
     from fs_plugins.commands.cli import main
     runner.run_embedded(tiny_cfg(tmp_path, 'fedavg', 'run', rounds=1))
-    before = read(tmp_path / 'run')
+    before, untimed_before = read(tmp_path / 'run'), untimed_results_file(tmp_path / 'run', 'results.jsonl')
     with pytest.raises(ConfigError, match='already holds a run'):
         runner.run_embedded(tiny_cfg(tmp_path, 'fedavg', 'run', rounds=1))
     assert read(tmp_path / 'run') == before
@@ -145,7 +152,8 @@ def test_an_existing_results_directory_is_refused_unless_overwritten(tmp_path, c
     assert main(['run', '--runner', 'embedded', '--cfg', yaml_path, *opts]) == 2
     assert '--overwrite' in capsys.readouterr().err and read(tmp_path / 'run') == before
     assert main(['run', '--runner', 'embedded', '--overwrite', '--cfg', yaml_path, *opts]) == 0
-    assert read(tmp_path / 'run') == before   # the same run again, replaced
+    # the same run again, replaced (not appended to)
+    assert untimed_results_file(tmp_path / 'run', 'results.jsonl') == untimed_before
 
 
 def test_an_interrupted_run_keeps_every_finished_rounds_results(tmp_path, monkeypatch):
@@ -153,9 +161,9 @@ def test_an_interrupted_run_keeps_every_finished_rounds_results(tmp_path, monkey
     with pytest.raises(InjectedFault):
         runner.run_embedded(tiny_cfg(tmp_path, 'fedavg', 'cut', 'fsplug.checkpoint.freq', '0',
                                      rounds=3))
-    rows = [json.loads(line) for line in read(tmp_path / 'cut').splitlines()]
-    assert {(r['round'], r['kind']) for r in rows} == {(0, 'train'), (0, 'eval'),
-                                                        (1, 'train'), (1, 'eval')}
+    rows = read_rows(tmp_path / 'cut')
+    assert {(r['round'], r['kind']) for r in rows} == {(0, 'train'), (0, 'eval'), (0, 'server'),
+                                                        (1, 'train'), (1, 'eval'), (1, 'server')}
     assert os.path.isfile(tmp_path / 'cut' / 'summary.md')
 
 
