@@ -6,6 +6,14 @@ the methods (which import torch). tests/test_precheck.py fails when this is stal
 with `python scripts/gen_reference.py`."""
 
 METHODS = {
+    'adalora': {
+        'target_r': ('int', 8, {'ge': 1}),
+        'initial_fraction': ('float', 0.1, {'ge': 0, 'lt': 1}),
+        'final_fraction': ('float', 0.2, {'ge': 0, 'lt': 1}),
+        'beta1': ('float', 0.85, {'ge': 0, 'lt': 1}),
+        'beta2': ('float', 0.85, {'ge': 0, 'lt': 1}),
+        'orth_reg_weight': ('float', 0.1, {'ge': 0}),
+    },
     'ditto': {
         'lam': ('float', 1.0, {'ge': 0}),
     },
@@ -50,6 +58,15 @@ METHODS = {
         'warmup_rounds': ('int', 5, {'ge': 1}),
         'max_experts': ('int', 8, {'ge': 2}),
         'router_aggregation': ('str', 'cluster', {'choices': ['cluster', 'local']}),
+    },
+    'fedmkt': {
+        'kd_weight': ('float', 0.5, {'ge': 0, 'le': 1}),
+        'kd_epochs': ('int', 1, {'ge': 1}),
+        'kd_batch_size': ('int', 8, {'ge': 1}),
+        'kd_lr': ('float', 0.001, {'gt': 0}),
+        'kd_temperature': ('float', 1.0, {'gt': 0}),
+        'public_data': ('str', '', {}),
+        'public_samples': ('int', 256, {'ge': 2}),
     },
     'fedmole': {
         'target_modules': ('list[str]', ['up_proj'], {'min_items': 1}),
@@ -124,6 +141,14 @@ METHODS = {
     'frlora': {
         'exact_product': ('bool', False, {}),
         'freeze_a': ('bool', False, {}),
+    },
+    'fwdllm': {
+        'perturbations': ('int', 10, {'ge': 1}),
+        'max_perturbations': ('int', 80, {'ge': 1}),
+        'variance_threshold': ('float', 1.0, {'gt': 0}),
+        'candidate_factor': ('int', 4, {'ge': 1}),
+        'derivative': ('str', 'auto', {'choices': ['auto', 'jvp', 'finite_difference']}),
+        'epsilon': ('float', 0.001, {'gt': 0}),
     },
     'hetlora': {
         'sparsity_weighted': ('bool', True, {}),
