@@ -48,7 +48,7 @@ def time_train_steps(built, train, batch_size: int, steps: int) -> float:
 
 
 def time_generation(built, records, batch_size: int, max_new_tokens: int) -> tuple[float, list]:
-    from fs_plugins.run.client import generate_answers
+    from fs_plugins.run.evaluation import generate_answers
     built.model.eval()
     with torch.no_grad():
         generate_answers(built.model, built.codec, records[:2], 2, max_new_tokens)  # warm-up
