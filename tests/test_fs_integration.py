@@ -195,21 +195,25 @@ def test_fs_saves_models_at_rounds_without_evaluation(tmp_path):
 
 
 @pytest.mark.parametrize('method, secure', [('toy_phased', None), ('fedmole', 'certificate'),
-                                            ('fedmosaic', 'token')])
+                                            ('fedmosaic', 'token'), ('fedmkt', None),
+                                            ('adalora', None), ('fwdllm', None)])
 def test_fs_distributed_matches_embedded(tmp_path, method, secure):
     """Server + 2 clients launched over gRPC on 127.0.0.1 (plaintext, or TLS with clients
     authenticated by certificate or token, outsiders refused while it runs), with client-local
     state that persists across rounds and phases (toy_phased with extra payloads; fedmole's
     routed experts and routers; fedmosaic with the two clients on different models, each
-    process naming the pivot); bounded in time; same numbers as the embedded runner."""
+    process naming the pivot; fedmkt's server model distilling with clients of two sizes;
+    adalora's importance and budget masks; fwdllm's global direction and perturbation count);
+    bounded in time; same numbers as the embedded runner."""
     from fs_plugins.commands.credentials import make_credentials
     from fs_plugins.commands.launch import LocalFederation
     base = tiny_config(tmp_path, method, rounds=2, steps=3,
                        federate={'client_num': 2, 'sample_client_num': 2}, data={'splitter': 'iid'})
     if method == 'toy_phased':
         deep_update(base, TOY)
+    deep_update(base, MODEL_SETUP.get(method, {}))
     # fedmosaic: client 2 runs the wider, deeper model in its own process
-    own_model = {'client_2': HETEROGENEOUS['client_3']} if method == 'fedmosaic' else {}
+    own_model = {'client_2': HETEROGENEOUS['client_3']} if method in ('fedmosaic', 'fedmkt') else {}
     if method == 'fedmosaic':
         deep_update(base, {'fsplug': {'fedmosaic': {
             'num_blocks': 1, 'gradient_every': 2, 'alignment_dir': str(tmp_path / 'align'),
