@@ -140,7 +140,8 @@ def test_a_misspelt_method_gets_the_closest_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         _load(tmp_path, fsplug={'method': 'fedmol'})
     problem = [p for p in err.value.problems if 'fsplug.method' in p]
-    assert len(problem) == 1 and "fsplug.method = 'fedmol': not one of: , ditto, " in problem[0]
+    assert len(problem) == 1 and "fsplug.method = 'fedmol': not one of: , " in problem[0]
+    assert ', ditto, ' in problem[0] and ', fedmole, ' in problem[0]
     assert problem[0].endswith(". Did you mean 'fedmole'?")
     problems = _problems(tmp_path, ['fsplug.model.dtype', 'bfloat'])
     assert problems == ["command line: fsplug.model.dtype = 'bfloat': not one of: float32, bfloat16, "
