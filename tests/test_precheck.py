@@ -106,7 +106,8 @@ def test_a_misspelt_method_and_key_fail_with_the_full_checks_words(tmp_path):
     before = problems_of(pre.precheck, path)
     assert before == full_check_problems(path)
     assert "Did you mean 'federate.total_round_num'?" in before[0]
-    assert before[1].startswith(f"{path}: fsplug.method = 'fedmol': not one of: , ditto, ")
+    assert before[1].startswith(f"{path}: fsplug.method = 'fedmol': not one of: , ")
+    assert ', ditto, ' in before[1] and ', fedmole, ' in before[1]
     assert before[1].endswith(". Did you mean 'fedmole'?")
 
 
