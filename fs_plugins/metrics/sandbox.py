@@ -120,7 +120,8 @@ def child_environment(workdir: str) -> dict[str, str]:
     return {'PATH': '/usr/local/bin:/usr/bin:/bin', 'LANG': 'C.UTF-8', 'LC_ALL': 'C.UTF-8',
             'HOME': workdir, 'TMPDIR': workdir, 'PYTHONIOENCODING': 'utf-8',
             'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
-            'FSPLUG_NO_AUTOLOAD': '1'}
+            # what importing fs_plugins would set (core.threads): the program's own environment
+            'OMP_WAIT_POLICY': 'PASSIVE', 'FSPLUG_NO_AUTOLOAD': '1'}
 
 
 def run_python(code: str | list[str], *, tests: str = '', entry_point: str = '', mode: str = 'tests',
