@@ -89,6 +89,23 @@ def run_embedded_keeping_clients(cfg, client_cfgs=None):
     return results, captured
 
 
+def assert_reloaded_models_match(results, clients) -> None:
+    """Each client's model rebuilt from the run's folder (fs_plugins.load_trained) gives the
+    run's own logits, exactly, on two of its test records."""
+    import torch
+
+    from fs_plugins import load_trained
+    for cid, proc in clients.items():
+        built = load_trained(results.out_dir, client=cid)
+        batch = proc.collate([proc.eval_data['test'][i] for i in range(2)])
+        batch.pop('labels')
+        built.model.eval()
+        proc.model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(built.model(**batch).logits, proc.model(**batch).logits,
+                                       rtol=0, atol=0)
+
+
 def tiny_yaml_of(method: str) -> str:
     """A registered method's tiny YAML: yamls/<name>/tiny.yaml, or tests/yamls/<name>/tiny.yaml
     for the test-only methods."""

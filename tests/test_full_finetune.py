@@ -7,9 +7,8 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import REPO, run_embedded_keeping_clients
+from helpers import REPO, assert_reloaded_models_match, run_embedded_keeping_clients
 
-from fs_plugins import load_trained
 from fs_plugins.commands.estimate import estimate_client
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods import fedavg as fedavg_module
@@ -85,15 +84,7 @@ def test_standalone_trains_every_weight_and_sends_nothing(tmp_path):
 @pytest.mark.parametrize('method', ['fedavg', 'standalone'])
 def test_saved_full_models_reload_exactly(tmp_path, method):
     results, clients = run(tmp_path, method)
-    for cid, proc in clients.items():
-        built = load_trained(results.out_dir, client=cid)
-        batch = proc.collate([proc.eval_data['test'][i] for i in range(2)])
-        batch.pop('labels')
-        built.model.eval()
-        proc.model.eval()
-        with torch.no_grad():
-            torch.testing.assert_close(built.model(**batch).logits, proc.model(**batch).logits,
-                                       rtol=0, atol=0)
+    assert_reloaded_models_match(results, clients)
 
 
 def test_off_by_default_keeps_lora(tmp_path):

@@ -8,9 +8,8 @@ import math
 
 import pytest
 import torch
-from helpers import REPO, run_embedded_keeping_clients
+from helpers import REPO, assert_reloaded_models_match, run_embedded_keeping_clients
 
-from fs_plugins import load_trained
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.methods.zero_shot import ZeroShot
@@ -83,15 +82,7 @@ def test_uniflow_model_keeps_the_initial_projections_and_scores_each_modality(tm
 @pytest.mark.parametrize('path', [TINY, TINY_UNIFLOW])
 def test_saved_models_reload_exactly(tmp_path, path):
     results, clients = run_embedded_keeping_clients(load(path, tmp_path))
-    for cid, proc in clients.items():
-        built = load_trained(results.out_dir, client=cid)
-        batch = proc.collate([proc.eval_data['test'][i] for i in range(2)])
-        batch.pop('labels')
-        built.model.eval()
-        proc.model.eval()
-        with torch.no_grad():
-            torch.testing.assert_close(built.model(**batch).logits, proc.model(**batch).logits,
-                                       rtol=0, atol=0)
+    assert_reloaded_models_match(results, clients)
 
 
 def test_audit_sees_no_training_and_no_traffic(tmp_path):

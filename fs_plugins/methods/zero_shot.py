@@ -13,12 +13,12 @@ and summaries as the trained rows apply: run a table's YAML with fsplug.method z
 (federate.total_round_num 1 is enough: every round evaluates the same model)."""
 from __future__ import annotations
 
-from fs_plugins.methods.base import ClientUpdate, Method
 from fs_plugins.methods.registry import register_method
+from fs_plugins.methods.standalone import NothingSent
 
 
 @register_method
-class ZeroShot(Method):
+class ZeroShot(NothingSent):
     name = 'zero_shot'
     summary = ("the built base model evaluated without training (UniFLoW's '-' rows): no "
                'adapter, every weight frozen, no local step')
@@ -35,12 +35,3 @@ class ZeroShot(Method):
 
     def phases(self, num_steps, cfg):
         return []
-
-    def is_shared(self, name: str) -> bool:
-        return False
-
-    def aggregate(self, server_state: dict, updates: list[ClientUpdate]) -> dict:
-        return server_state
-
-    def content_for(self, server_state: dict, client_id: int) -> dict:
-        return {}
