@@ -15,12 +15,17 @@ Backends (`fsplug.model.multimodal.<modality>.backend`):
   MLPs' `fc1` / `fc2`. path `tiny-imagebind`: a random tiny model of ImageBind's layout (no
   ImageBind package, no weights; images as tiny_clip's, audio as tiny_whisper's log-mel), for
   tests and the wiring audit.
+- both: `unibind` (UniBind, CVPR 2024; UniFLoW Table 13): ImageBind-huge's architecture from
+  Meta's package with UniBind's checkpoint (path: its .pt, required; the key mapping and the
+  embedding in fs_plugins.models.unibind_layout), one global embedding per input, LoRA on the
+  trunks as for `imagebind`.
 Whisper's encoder only takes its full 30 s window; with `max_seconds` below 30 the position
 table is cut to the first 50·max_seconds rows (fs_plugins.models.whisper_ct2.short_clip_encoder)
 and clips are padded to max_seconds, so short spoken questions cost a fraction of the compute.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +45,12 @@ from fs_plugins.models.imagebind_layout import (
     tiny_imagebind,
 )
 from fs_plugins.models.precision import DTYPES
+from fs_plugins.models.unibind_layout import (
+    UniBindEmbedding,
+    load_exactly,
+    split_unibind_checkpoint,
+    unibind_head,
+)
 from fs_plugins.models.whisper_ct2 import ensure_whisper_tiny_en, short_clip_encoder
 from fs_plugins.schema.specs import ModelSpec
 
@@ -233,12 +244,7 @@ class ImageBindModality(torch.nn.Module):
 
 
 def _imagebind_model(path: str):
-    try:
-        from imagebind.models import imagebind_model
-    except ImportError as exc:
-        raise ConfigError("backend 'imagebind' needs Meta's ImageBind package: pip install "
-                          "git+https://github.com/facebookresearch/ImageBind (it brings "
-                          "torchvision and torchaudio)") from exc
+    imagebind_model, _ = _imagebind_package('imagebind')
     if not path:
         return imagebind_model.imagebind_huge(pretrained=True)
     model = imagebind_model.imagebind_huge(pretrained=False)
@@ -297,6 +303,52 @@ def load_imagebind(path, options, spec: ModelSpec) -> LoadedEncoder:
                              lambda p: transform([p], 'cpu'))
 
 
+# ------------------------------------------------------------------ UniBind (optional)
+def _imagebind_package(backend: str):
+    """Meta's ImageBind package: its model (architecture) and data (input transforms). Both the
+    imagebind and the unibind backend (UniBind's architecture is ImageBind-huge) need it."""
+    try:
+        from imagebind import data
+        from imagebind.models import imagebind_model
+    except ImportError as exc:
+        raise ConfigError(f"backend '{backend}' needs Meta's ImageBind package: pip install "
+                          'git+https://github.com/facebookresearch/ImageBind (it brings '
+                          'torchvision and torchaudio)') from exc
+    return imagebind_model, data
+
+
+def read_unibind_checkpoint(path: str, key: str) -> dict:
+    """The state dict of UniBind's checkpoint file at `path` (config key `key`)."""
+    if not path:
+        raise ConfigError(f"{key}: the 'unibind' backend needs UniBind's checkpoint file "
+                          "(ckpts/pretrained_weights.pt from the UniBind README, or a fine-tuned "
+                          "<modality>_model_best.pt); nothing is downloaded")
+    expanded = os.path.expanduser(path)
+    if not os.path.isfile(expanded):
+        raise FileNotFoundError(f'UniBind checkpoint not found: {path} ({key})')
+    return torch.load(expanded, map_location='cpu', weights_only=True)
+
+
+def load_unibind(path, options, spec: ModelSpec) -> LoadedEncoder:
+    """UniBind (fs_plugins.models.unibind_layout): ImageBind-huge's architecture (Meta's
+    package) with UniBind's checkpoint at `path`, its inputs as ImageBind's, and UniBind's
+    embedding (ImageBind's, UniBind's head if the checkpoint has it, L2-normalised)."""
+    modality = options['modality']
+    key = f'fsplug.model.multimodal.{modality}.path'
+    imagebind_model, imagebind_data = _imagebind_package('unibind')
+    where = f'{key} = {path}'
+    weights = split_unibind_checkpoint(read_unibind_checkpoint(path, key), modality, where)
+    model = imagebind_model.imagebind_huge(pretrained=False)
+    load_exactly(model, weights.imagebind, weights.prefix, where)
+    transform = {'image': imagebind_data.load_and_transform_vision_data,
+                 'audio': imagebind_data.load_and_transform_audio_data}[modality]
+    dtype = DTYPES[spec.model.dtype]
+    loaded = imagebind_encoder(model, modality, dtype, lambda p: transform([p], 'cpu'))
+    head = unibind_head(weights, modality, loaded.hidden_size, where)
+    module = UniBindEmbedding(loaded.module, head).to(dtype).eval()
+    return dataclasses.replace(loaded, module=module)
+
+
 # backend -> (modalities it encodes, loader(path, options, spec))
 for _name, _modalities, _loader in [('clip', {'image'}, load_clip),
                                     ('siglip', {'image'}, load_siglip),
@@ -304,7 +356,8 @@ for _name, _modalities, _loader in [('clip', {'image'}, load_clip),
                                     ('tiny_clip', {'image'}, load_tiny_clip),
                                     ('whisper', {'audio'}, load_whisper),
                                     ('tiny_whisper', {'audio'}, load_tiny_whisper),
-                                    ('imagebind', {'image', 'audio'}, load_imagebind)]:
+                                    ('imagebind', {'image', 'audio'}, load_imagebind),
+                                    ('unibind', {'image', 'audio'}, load_unibind)]:
     ENCODER_BACKENDS.add(_name, (frozenset(_modalities), _loader))
 
 
@@ -316,7 +369,7 @@ def load_encoder(modality: str, options: dict, spec: ModelSpec) -> LoadedEncoder
         raise ConfigError(f"fsplug.model.multimodal.{modality}.backend = '{backend}' encodes "
                           f"{sorted(modalities)}, not {modality}")
     path = options['path']
-    if path and not path.endswith('.pth'):
+    if path and not path.endswith(('.pth', '.pt')):
         check_local_dir(path)
     loaded = loader(path, {**options, 'modality': modality}, spec)
     if loaded.global_embedding and options['pool_tokens'] != 1:

@@ -535,14 +535,15 @@ def tiny_variant(plain: dict) -> dict:
 
 
 def tiny_multimodal(multimodal: dict) -> dict:
-    """The tiny encoders of an encoder + LLM config: an ImageBind encoder becomes the random
-    tiny model of ImageBind's layout (`path: tiny-imagebind`) with the YAML's own LoRA
-    targets, so the audit sees the paper's target names; any other encoder, and a modality
-    the YAML does not configure (the tiny data has both), the tiny CLIP / Whisper."""
+    """The tiny encoders of an encoder + LLM config: an ImageBind (or UniBind: ImageBind's
+    architecture) encoder becomes the random tiny model of ImageBind's layout
+    (`path: tiny-imagebind`) with the YAML's own LoRA targets, so the audit sees the paper's
+    target names; any other encoder, and a modality the YAML does not configure (the tiny data
+    has both), the tiny CLIP / Whisper."""
     out = copy.deepcopy(_MEDIA)
     for modality, tiny in list(out.items()):
         own = multimodal.get(modality)
-        if isinstance(tiny, dict) and isinstance(own, dict) and own.get('backend') == 'imagebind':
+        if isinstance(tiny, dict) and isinstance(own, dict) and own.get('backend') in ('imagebind', 'unibind'):
             out[modality] = {'backend': 'imagebind', 'path': 'tiny-imagebind', 'pool_tokens': 1,
                              'lora_targets': list(own.get('lora_targets') or [])}
     return out

