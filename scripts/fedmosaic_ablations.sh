@@ -55,6 +55,7 @@ declare -A overrides=(
   [train_grad]='fsplug.fedmosaic.rela_model training fsplug.fedmosaic.ema_ratio 1.0'
   [ws8]='fsplug.fedmosaic.small_quantization 8bit'
   [ws4]='fsplug.fedmosaic.small_quantization 4bit'
+  [nbs]='fsplug.fedmosaic.aggregation nbs'
   [static_full]='fsplug.data.dynamic False'
   [static_rand_a]='fsplug.data.dynamic False fsplug.fedmosaic.align_a False'
   [static_rand_b]='fsplug.data.dynamic False fsplug.fedmosaic.align_b False'
@@ -66,7 +67,7 @@ for n in "${blocks[@]}"; do
   overrides[sft_nb$n]="fsplug.fedmosaic.local_only True fsplug.fedmosaic.num_blocks $n"
   order+=("nb$n" "sft_nb$n")
 done
-order+=(ema0.1 ema0.9 ema1 keep0.1 keep1 train_grad ws8 ws4)
+order+=(ema0.1 ema0.9 ema1 keep0.1 keep1 train_grad ws8 ws4 nbs)
 if [ -n "$other_ws" ]; then
   overrides[ws_large]="fsplug.fedmosaic.small_model_type $other_ws"
   order+=(ws_large)

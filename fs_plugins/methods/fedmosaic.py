@@ -24,7 +24,11 @@ tensor only over clients of i's model type (`aggregation.mosaic.customised_globa
 Local modules' gates never leave the client. `rela: False` / `pq_lora: False` are the
 paper's ablations (Table 7); `rela_model: training` (Table 30), a W_s other than the pivot and
 a k-bit W_s (`small_builder`, `small_model_type`, `small_quantization`, Table 31) and
-`align_a` / `align_b` (Table 32) the appendix's.
+`align_a` / `align_b` (Table 32) the appendix's. A W_s with another tokenizer (Table 31's
+LLaVA-Qwen-0.5B for Llama clients) reads the same records as the client's batch, encoded by
+its own codec (`tuners.mosaic.ws_batches`; ours, the paper does not say how). `aggregation:
+nbs` replaces RELA's weights by Nash-MTL's bargaining weights over the PQ-LoRA task vectors
+(Table 33, A.22; `aggregation.nash`): one global for all clients.
 """
 from __future__ import annotations
 
@@ -37,12 +41,14 @@ from statistics import mean
 import torch
 
 from fs_plugins.aggregation.mosaic import customised_globals, rela_weights, uniform_weights
+from fs_plugins.aggregation.nash import nash_weights
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
+from fs_plugins.data.federated import split_records
 from fs_plugins.methods.base import Contract, Method, PaperClaim, differing_client_keys
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import register_method
-from fs_plugins.methods.specs import model_spec
+from fs_plugins.methods.specs import model_spec, split_spec
 from fs_plugins.models.builders import load_base
 from fs_plugins.schema import option
 from fs_plugins.schema.options import Cfg, to_plain
@@ -58,6 +64,7 @@ from fs_plugins.tuners.mosaic.rela import (
     quantise_linear_weights,
     rela_gradient,
 )
+from fs_plugins.tuners.mosaic.ws_batches import RecordIndex, encode_for
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +125,19 @@ class FedMosaicConfig:
                        choices=('per_layer', 'per_module'))
     temperature: float = option(0.5, 'τ of w_ij = softmax_j(cos(g̃_i, g̃_j)/τ) (Eq. 4; §A.7: 0.5)',
                                 gt=0)
+    aggregation: str = option('rela', "how the server mixes the clients' local modules: rela = "
+                                      "RELA's customised G_i per client (§4.1, the paper's); nbs = "
+                                      "Nash-MTL's bargaining weights (Navon et al., 2022; Table 33 "
+                                      "'FedMosaic w/ NBS', A.22: applied to adapter parameters): "
+                                      'α with (M α)_i = 1/α_i, M = G Gᵀ of the task vectors g_i = '
+                                      "client i's PQ-LoRA P, Q minus their initial values (the "
+                                      'shared part), M scaled to unit Frobenius norm as the '
+                                      "authors' code does; then w = α / Σ α (ours: FL averages "
+                                      'parameters, and the raw Σ α_i g_i has norm ~√K whatever the '
+                                      'updates\' scale), one global G = Σ_i w_i L_i for every client '
+                                      '(conventional LoRA: w renormalised over its model type). No '
+                                      'W_s gradient is taken; include_self does not apply',
+                            choices=('rela', 'nbs'))
     include_self: bool = option(True, "whether client i's own module is in its G_i (Eq. 4 sums "
                                       'over all j; the public reference code masks j = i)')
     pivot_builder: str = option('', 'builder of the pivot model (alignment) and of W_s (RELA); '
@@ -135,8 +155,9 @@ class FedMosaicConfig:
     small_builder: str = option('', "builder of RELA's W_s when it is not the pivot (A.20, "
                                     "Table 31); '' = pivot_builder")
     small_model_type: str = option('', "model.type of RELA's W_s when it is not the pivot "
-                                       "(Table 31: LLaVA-Qwen-0.5B); '' = pivot_model_type. W_s "
-                                       "reads every client's batches: it needs their tokenizer")
+                                       "(Table 31: LLaVA-Qwen-0.5B); '' = pivot_model_type. With "
+                                       "another tokenizer than a client's, W_s reads the same "
+                                       "records of each batch encoded by its own codec (ours)")
     small_quantization: str = option('none', "W_s's weights k-bit (A.20, Table 31: 8 / 4 bit): "
                                              'every linear layer but the output layer quantised '
                                              'and dequantised as bitsandbytes stores it (8bit: '
@@ -217,6 +238,10 @@ class FedMosaic(Method):
     sent = ('LoRA, P, Q + sanitised W_s gradient EMA / customised global LoRA, P, Q '
             '(P, Q across model types; LoRA within one)')
     config_class = FedMosaicConfig
+    client_codec = None   # the client's codec (after_build)
+    # the client's training records by their encoding, built when a W_s of another tokenizer
+    # first needs its own batch (derived from the config: a cache, not checkpointed state)
+    record_index: RecordIndex | None = None
     relative_cost = 1.098   # Table 15: FLOPs per iteration relative to SFT (W_s's gradient, gates)
     hf_export_refusal = ("FedMosaic's layers mix a local and a global module with a learned "
                          "gate, and PQ-LoRA's P, Q sit between A and B: not a peft LoRA")
@@ -264,6 +289,10 @@ class FedMosaic(Method):
         if hparams.rela and hparams.rela_model == 'training' and not hparams.pq_lora:
             problems.append("fsplug.fedmosaic.rela_model = 'training' takes the gradients of the "
                             "last block's PQ-LoRA P, Q: it needs fsplug.fedmosaic.pq_lora: True")
+        if hparams.aggregation == 'nbs' and not (hparams.rela and hparams.pq_lora):
+            problems.append("fsplug.fedmosaic.aggregation = 'nbs' replaces RELA's weights by Nash "
+                            "bargaining over the PQ-LoRA updates: it needs fsplug.fedmosaic.rela: "
+                            "True and pq_lora: True")
         if hparams.small_quantization != 'none' and model['quantization'] != 'none':
             problems.append(f"fsplug.fedmosaic.small_quantization = "
                             f"{hparams.small_quantization!r}: W_s is already loaded with "
@@ -313,7 +342,8 @@ class FedMosaic(Method):
         return self.takes_rela_gradient() and self.hparams.rela_model == 'small'
 
     def takes_rela_gradient(self) -> bool:
-        return self.hparams.rela and not self.hparams.local_only
+        hp = self.hparams
+        return hp.rela and not hp.local_only and hp.aggregation == 'rela'
 
     def is_pivot(self, cfg) -> bool:
         pivot = self.pivot_config(cfg)
@@ -344,12 +374,7 @@ class FedMosaic(Method):
         values, not shapes."""
         if next(model.parameters()).is_meta:
             return
-        if self.uses_small_model():
-            small_cfg = self.small_config(cfg)
-            if model_type_id(small_cfg.fsplug.model.builder, small_cfg.model.type) != \
-                    model_type_id(cfg.fsplug.model.builder, cfg.model.type):
-                check_same_tokenizer(codec, small_base(small_cfg, self.hparams).codec, cfg,
-                                     small_cfg)
+        self.client_codec = codec   # RELA traces its batches back to records with it
         hp = self.hparams
         if (self.is_pivot(cfg) or not hp.pq_lora or hp.local_only
                 or not (hp.align_a or hp.align_b)):
@@ -385,19 +410,26 @@ class FedMosaic(Method):
         loaded once per process."""
         return small_base(state['small_cfg'], self.hparams).model.to(device)
 
+    def small_batch(self, batch, state):
+        """The batch W_s reads: the client's own when they share a tokenizer; else the same
+        records encoded by W_s's codec (A.20, `tuners.mosaic.ws_batches`), None if none fits."""
+        small_codec = small_base(state['small_cfg'], self.hparams).codec
+        if same_tokenizer(self.client_codec, small_codec):
+            return batch
+        if self.record_index is None:
+            self.record_index = RecordIndex(client_train_records(self.cfg, self.client_id),
+                                            self.client_codec, f'FedMosaic RELA, client {self.client_id}')
+        own = encode_for(small_codec, self.record_index.records_of(batch))
+        return None if own is None else {k: v.to(batch['input_ids'].device) for k, v in own.items()}
+
     def loss(self, model, batch, state):
         rela = state['rela']
         if self.uses_small_model() and rela.due():
-            small = self.small_model(state, batch['input_ids'].device)
-            try:
-                rela.record(rela_gradient(small, batch, self.hparams.gradient_layer),
-                            labelled_tokens(batch))
-            except (RuntimeError, ValueError, IndexError) as exc:
-                raise ValueError(f"FedMosaic RELA: W_s (model.type "
-                                 f"'{state['small_cfg'].model.type}') cannot read client "
-                                 f"{self.client_id}'s batch: {exc}. W_s reads the client's "
-                                 f"batches, so every client's model needs W_s's tokenizer "
-                                 f"(and image processor)") from exc
+            small_batch = self.small_batch(batch, state)
+            if small_batch is not None:
+                small = self.small_model(state, batch['input_ids'].device)
+                rela.record(rela_gradient(small, small_batch, self.hparams.gradient_layer),
+                            labelled_tokens(small_batch))
         return model(**batch).loss
 
     def before_optimizer_step(self, model, state):
@@ -517,7 +549,10 @@ class FedMosaic(Method):
     # ------------------------------------------------------------------ server
     def init_server_state(self, initial_shared):
         # no single global model: every client gets its own G_i (content_for)
-        return {'global': {}, 'locals': {}, 'grads': {}, 'archs': {}, 'pivots': {}, 'custom': {}}
+        # 'initial': the starting P, Q (NBS's task vectors are the locals minus them)
+        initial = {name: value.clone() for name, value in initial_shared.items() if is_pq_name(name)}
+        return {'global': {}, 'locals': {}, 'grads': {}, 'archs': {}, 'pivots': {}, 'custom': {},
+                'initial': initial}
 
     def aggregate(self, server_state, updates):
         state = {key: dict(value) if isinstance(value, dict) else value
@@ -536,12 +571,14 @@ class FedMosaic(Method):
             state['pivots'][cid] = int(update.extra[PIVOT_KEY])
         ids = sorted(state['locals'])
         check_consistent(ids, state)
-        if rela:
+        if self.hparams.aggregation == 'nbs':
+            weights = nbs_weight_rows([state['locals'][c] for c in ids], state['initial'])
+        elif rela:
             weights = rela_weights(torch.stack([state['grads'][c] for c in ids]),
                                    self.hparams.temperature, self.hparams.include_self)
         else:
             weights = uniform_weights(len(ids), self.hparams.include_self)
-        logger.info('FedMosaic RELA weights (rows: clients %s):\n%s', ids,
+        logger.info('FedMosaic %s weights (rows: clients %s):\n%s', self.hparams.aggregation, ids,
                     '\n'.join(' '.join(f'{w:.3f}' for w in row) for row in weights.tolist()))
         custom = customised_globals([state['locals'][c] for c in ids], weights,
                                     [state['archs'][c] for c in ids], is_pq_name)
@@ -552,15 +589,45 @@ class FedMosaic(Method):
         return server_state['custom'].get(int(client_id), {})
 
 
-def check_same_tokenizer(codec, small_codec, cfg, small_cfg) -> None:
-    """RELA feeds a client's batches to W_s (the pivot's base), so both need one vocabulary."""
-    if codec.tokenizer.get_vocab() != small_codec.tokenizer.get_vocab():
-        raise ConfigError(f"FedMosaic: model.type '{cfg.model.type}' and RELA's W_s "
-                          f"'{small_cfg.model.type}' (fsplug.fedmosaic.small_model_type, default "
-                          f"pivot_model_type) have different tokenizers; RELA computes W_s's "
-                          f"gradient on every client's batches, so all models need W_s's "
-                          f"tokenizer (paper: LLaVA-Llama3.2 1B/3B, or the Qwen2.5 family), "
-                          f"or use rela_model: training")
+def nbs_weight_rows(locals_: list[dict], initial: dict) -> torch.Tensor:
+    """(N × N) weights whose every row is Nash-MTL's w = α / Σ α over the clients' PQ-LoRA task
+    vectors (their P, Q minus the initial ones, flattened in name order)."""
+    names = sorted(initial)
+    if not names:
+        raise ValueError("FedMosaic NBS: the server's initial model has no PQ-LoRA tensor")
+    vectors = []
+    for index, module in enumerate(locals_):
+        missing = [n for n in names if n not in module]
+        if missing:
+            raise ValueError(f'FedMosaic NBS: upload {index} has no {missing[:3]}')
+        vectors.append(torch.cat([(module[n].to(torch.float64) - initial[n].to(torch.float64)
+                                   ).flatten() for n in names]))
+    weights = nash_weights(torch.stack(vectors))
+    return weights.expand(len(locals_), -1).clone()
+
+
+def same_tokenizer(codec, small_codec) -> bool:
+    """Whether W_s can read the client's batches as they are: one vocabulary, one codec kind
+    (a multimodal W_s needs the pixels its own processor makes)."""
+    return (type(codec) is type(small_codec)
+            and codec.tokenizer.get_vocab() == small_codec.tokenizer.get_vocab())
+
+
+_CLIENT_RECORDS: dict = {}   # split spec -> the run's FederatedRecords, one split per process
+
+
+def client_train_records(cfg, client_id: int) -> list[dict]:
+    """Client `client_id`'s training records, split as the runners split them
+    (`data.federated.split_records` of the same spec)."""
+    spec = split_spec(cfg)
+    key = repr(spec)
+    if key not in _CLIENT_RECORDS:
+        _CLIENT_RECORDS[key] = split_records(spec)
+    clients = _CLIENT_RECORDS[key].clients
+    if client_id not in clients:
+        raise ValueError(f'FedMosaic RELA: client {client_id} is not in the split of '
+                         f'data.type {cfg.data.type!r} (clients {sorted(clients)})')
+    return list(clients[client_id]['train'])
 
 
 def check_consistent(ids, state) -> None:
