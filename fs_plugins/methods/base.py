@@ -87,6 +87,9 @@ class Contract:
     - `extra`: keys of the extra payload (gradient sketches, statistics) the method sends;
     - `claim`: the paper's communication claim, if it has one;
     - `audit_clients`: how many clients the audit needs at least (e.g. a clustering step);
+    - `gated_trains`: trainable tensors that a server-chosen configuration may leave frozen for a
+      whole audited round (FedAdapter's inactive layers): on a client whose phases never made
+      one trainable, it needs no gradient and is not uploaded (`Method.expected_upload`);
     - `depth_options`: options under `fsplug.<name>` bounded by the model's depth, capped at a
       tiny model's when the audit swaps the YAML's model for one (FedMosaic's N_B)."""
     trains: tuple[str, ...] = ()
@@ -97,6 +100,7 @@ class Contract:
     claim: PaperClaim | None = None
     audit_clients: int = 2
     depth_options: tuple[str, ...] = ()
+    gated_trains: tuple[str, ...] = ()
 
 
 def weights_of(updates) -> list[float]:
@@ -277,6 +281,12 @@ class Method:
     def content_for(self, server_state: dict, client_id: int) -> dict[str, torch.Tensor]:
         """What client `client_id` receives before training or evaluation."""
         return server_state['global']
+
+    def expected_upload(self, signature: dict, sent: dict | None) -> dict:
+        """The shared tensors a client must send this round ({name: signature entry}), given
+        its full `signature` and what the server sent it (`sent`; None: not known), e.g.
+        FedAdapter's active layers only. Default: the whole signature."""
+        return signature
 
     def client_groups(self, client_ids) -> dict[str, list[int]]:
         """Named groups of clients whose mean the summary reports beside the overall one

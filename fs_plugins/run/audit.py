@@ -340,17 +340,21 @@ def contract_problems(contract: Contract, gradient_free: bool, procs, seen, ups,
     def note(what: str, name: str, cid: int) -> None:
         found.setdefault(f'{group_of(name)}: {what}', set()).add(cid)
 
+    def gated(name: str, obs: ClientObservation) -> bool:
+        # frozen in every phase by a configuration the server chose (Contract.gated_trains)
+        return name not in obs.trainable_in and matches(name, contract.gated_trains)
+
     for cid, proc in procs.items():
         obs, names = seen[cid], proc.trainable_names
         if not gradient_free:
             for name in names:
-                if not obs.grad_max.get(name):
+                if not obs.grad_max.get(name) and not gated(name, obs):
                     note('trainable but received no gradient in any phase', name, cid)
         for name in ups[cid]:
             # a parameter that received a gradient was trained, even where an update below the
             # float resolution left it unchanged (a small SGD step on a LoRA A whose B is ~0)
             trained = obs.upload_changed.get(name, True) or bool(obs.grad_max.get(name))
-            if not trained and not matches(name, contract.unchanged_uploads):
+            if not trained and not gated(name, obs) and not matches(name, contract.unchanged_uploads):
                 note('uploaded but not changed by local training (undeclared)', name, cid)
             if matches(name, contract.stays_local):
                 note('declared local (Contract.stays_local) but uploaded', name, cid)

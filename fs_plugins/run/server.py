@@ -232,6 +232,8 @@ class ServerProcedure:
         if self.checks_signature and expected is None:
             return (f"the server cannot build client {update.client_id}'s model to check its "
                     f'update (see the log)')
+        if expected is not None:
+            expected = self.method.expected_upload(expected, self.sent.get(update.client_id))
         declared = tuple(self.method.contract.extra)
         checks = UpdateChecks(expected, float(validation.max_update_norm),
                               self.sent.get(update.client_id), declared or None,
