@@ -134,6 +134,28 @@ def test_selective_transfer_teaches_only_the_worse_side(tmp_path):
     assert method.content_for(state, 3) == {}   # not reported yet: keeps its own adapter
 
 
+def test_the_public_loop_hands_each_batch_its_rows_and_restores_the_frozen_flags(tmp_path):
+    """ServerModels.train_on_public: kd_epochs passes, each batch's loss given the slice of
+    public samples it holds; the adapter trained, the model's requires_grad flags as before,
+    and the same seed tags give the same adapter."""
+    method = direct_method(tmp_path, 'fedmkt', fsplug={'fedmkt': {**SMALL_KD, 'kd_epochs': 2}})
+    key = method.architecture(method.cfg)
+    model = method._models[key][0].model
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    seen = []
+
+    def loss(logits, labels, rows):
+        seen.append((rows, labels.shape[0]))
+        return answer_losses(logits, labels, -100).mean()
+    trained = method.train_on_public(key, lora, loss, ('test',))
+    assert seen == [(slice(0, 4), 4), (slice(4, 8), 4)] * 2
+    assert set(trained) == set(lora) and any(not torch.equal(trained[n], lora[n]) for n in lora)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    again = method.train_on_public(key, lora, loss, ('test',))
+    assert all(torch.equal(trained[n], again[n]) for n in lora)
+
+
 def test_heterogeneous_clients_learn_through_the_server_model(tmp_path):
     """Clients 3-4 on the larger tiny Llama, 1-2 (and the server) on the run's: every client
     trains, and each architecture's adapter goes back to its own clients."""

@@ -121,7 +121,9 @@ MODEL_SETUP = {'flame': FLAME_MODEL, 'hetlora_experts': FLAME_MODEL,   # tiny OL
                'perada': {'fsplug': {'perada': {'kd_steps': 3, 'kd_batch_size': 4,
                                                 'public_samples': 8},
                                      'aggregation': {'per_architecture': True}}},
-               'fedmkt': {'fsplug': {'fedmkt': {'kd_batch_size': 4, 'public_samples': 8}}}}
+               'fedmkt': {'fsplug': {'fedmkt': {'kd_batch_size': 4, 'public_samples': 8}}},
+               'takfl': {'fsplug': {'takfl': {'kd_batch_size': 4, 'public_samples': 8,
+                                              'search_candidates': 2}}}}
 # the LoRA-reuse methods compose the builtin tiny library (tuners.library.builtin)
 # methods whose defaults need more rounds or a setting the tiny run lacks: their tiny YAML's node
 for _name in ('fedlease', 'dofit'):    # warm-up rounds; each client's domain
@@ -134,7 +136,8 @@ CLIENT_CFGS = {'hetlora': MIXED_RANKS, 'flexlora': MIXED_RANKS, 'fed_a2': MIXED_
                'hetlora_experts': MIXED_RANKS, 'flexlora_experts': MIXED_RANKS,
                'fedmosaic': HETEROGENEOUS,   # clients 3, 4 on a wider, deeper tiny Llama
                'perada': HETEROGENEOUS,      # one server distillation model per type
-               'fedmkt': HETEROGENEOUS}      # clients of two model sizes around the server's
+               'fedmkt': HETEROGENEOUS,      # clients of two model sizes around the server's
+               'takfl': HETEROGENEOUS}       # two device prototypes
 METHODS = sorted(all_methods())
 
 

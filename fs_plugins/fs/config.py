@@ -182,6 +182,11 @@ def _is_plugin_root(node) -> bool:
 def _checked(merge_method, layer_of):
     @functools.wraps(merge_method)
     def merged_after_check(self, source, *args, **kwargs):
+        if _is_plugin_root(self) and source is None:
+            # FS's runners merge client_cfgs.get('client_<id>'): None for a client the file
+            # leaves out or sets to null, which runs the run's config, as FS's FedRunner skips
+            # it (fed_runner.py, _setup_client); yacs would refuse None
+            return None
         if _is_plugin_root(self):
             layer, before = layer_of(self, source), plain_config(self)
             after = raise_problems(merge(before, layer), fs_known_keys(self))

@@ -29,6 +29,8 @@ Choices (the paper cannot be read here):
 - The distilled distribution is the next-token one at the end of each public prompt (as
   PerAda here), not every answer position (FedMKT aligns whole sequences): positions need no
   sequence alignment across tokenizers.
+- The server-side model copies, public batches, token alignment, measuring pass and
+  optimisation loop are shared with TAKFL (methods/server_models.py).
 - The teachers' selection uses the losses measured once at the start of each direction.
 - λ (kd_weight), T, the optimiser (Adam, constant kd_lr) and one pass over the public set per
   direction (kd_epochs) are this implementation's defaults.
@@ -43,21 +45,14 @@ import torch
 from fs_plugins.aggregation.fedmkt import (
     align_probabilities,
     answer_losses,
-    min_edit_distance_alignment,
     prompt_end_rows,
     select_teachers,
     selective_kd_loss,
 )
-from fs_plugins.core.errors import ConfigError
-from fs_plugins.core.seeding import derive_seed
 from fs_plugins.data.instruction import IGNORE_INDEX
-from fs_plugins.data.public import public_records
-from fs_plugins.methods.base import Method, load_tensors
-from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import register_method
-from fs_plugins.methods.specs import data_source, device_for
+from fs_plugins.methods.server_models import ServerModels
 from fs_plugins.schema import option
-from fs_plugins.schema.options import to_plain
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +76,7 @@ class FedMKTConfig:
 
 
 @register_method
-class FedMKT(Method):
+class FedMKT(ServerModels):
     name = 'fedmkt'
     summary = ('FedMKT: clients train LoRA locally; the server distils them into its own LoRA model '
                'and back on public data (MinED token alignment, a teacher kept only where its loss '
@@ -91,11 +86,6 @@ class FedMKT(Method):
     robust_aggregation_refusal = 'nothing is averaged: the server distils logits between models'
     # FedMosaic Table 15: "Public data Logit Share", memory 1.002, compute 1.574 × SFT
     relative_cost = 1.574
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self._models: dict = {}       # architecture key -> (BuiltModel, public batches)
-        self._alignments: dict = {}   # (source key, target key) -> token index map
 
     # ------------------------------------------------------------------ server
     def init_server_state(self, initial_shared):
@@ -148,92 +138,17 @@ class FedMKT(Method):
         return self.distil(server_key, server_lora, teacher, keep,
                            ('fedmkt-kd', round_idx, 'server'))
 
-    # ------------------------------------------------------------------ models on the server
-    def architecture(self, cfg) -> str:
-        """The key of a participant's model: its model.type and fsplug.model node."""
-        key = repr((to_plain(cfg.model.type), to_plain(cfg.fsplug.model)))
-        if key not in self._models:
-            built = build_model(cfg, type(self)(cfg))
-            built.model.to(device_for(cfg))
-            self._models[key] = (built, self.public_batches(built.codec, cfg))
-        return key
-
-    def public_batches(self, codec, cfg) -> list[dict]:
-        """The labelled public records, encoded by `codec` (the same records for every model)."""
-        hp = self.hparams
-        records = public_records(hp.public_data, data_source(self.cfg), hp.public_samples,
-                                 derive_seed(self.cfg.seed, 'fedmkt-public'),
-                                 'fsplug.fedmkt.public_data')
-        examples = [codec.encode(r) for r in records]
-        dropped = sum(e is None for e in examples)
-        if dropped:
-            raise ConfigError(f'fsplug.fedmkt.public_data: {dropped} public record(s) leave no '
-                              f'answer token within llm.tok_len for model {cfg.model.type}')
-        size = hp.kd_batch_size
-        return [codec.collate(examples[i:i + size]) for i in range(0, len(examples), size)]
-
-    def alignment(self, source_key: str, target_key: str) -> torch.Tensor:
-        """Source token id -> target token id (MinED), computed once per pair of models."""
-        pair = (source_key, target_key)
-        if pair not in self._alignments:
-            source, target = (self._models[k][0].codec.tokenizer for k in pair)
-            tokens = [tok.convert_ids_to_tokens(list(range(len(tok)))) for tok in (source, target)]
-            self._alignments[pair] = (torch.arange(len(tokens[0])) if tokens[0] == tokens[1]
-                                      else min_edit_distance_alignment(*tokens))
-        return self._alignments[pair]
-
-    def measure(self, key: str, lora: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-sample answer losses, prompt-end logits) of model `key` with `lora` on the
-        public set, on the CPU in float32."""
-        built, batches = self._models[key]
-        model = built.model
-        load_tensors(model, lora)
-        model.eval()
-        losses, logits = [], []
-        with torch.no_grad():
-            for batch in batches:
-                out, labels = self.forward(model, batch)
-                losses.append(answer_losses(out, labels, IGNORE_INDEX).cpu())
-                logits.append(prompt_end_rows(out, labels, IGNORE_INDEX).float().cpu())
-        return torch.cat(losses), torch.cat(logits)
-
-    @staticmethod
-    def forward(model, batch: dict):
-        device = next(model.parameters()).device
-        batch = {k: v.to(device) for k, v in batch.items()}
-        labels = batch.pop('labels')
-        return model(**batch).logits, labels
-
     def distil(self, key: str, lora: dict, teacher: torch.Tensor, keep: torch.Tensor,
                seed_tags: tuple) -> dict:
         """`lora` on model `key` trained for kd_epochs passes over the public set on
         (1 − λ)·CE + λ·selective KD towards `teacher` (rows: public samples)."""
-        built, batches = self._models[key]
-        model, hp = built.model, self.hparams
-        device = next(model.parameters()).device
-        load_tensors(model, lora)
-        names = set(lora)
-        flags = {n: p.requires_grad for n, p in model.named_parameters()}
-        for name, param in model.named_parameters():
-            param.requires_grad_(name in names)
-        optimizer = torch.optim.Adam([p for n, p in model.named_parameters() if n in names],
-                                     lr=hp.kd_lr)
-        rows = [b['input_ids'].shape[0] for b in batches]
-        teachers, keeps = teacher.split(rows), keep.split(rows)
-        model.train()
-        # the distillation's dropout draws from its own seed, not from the clients' stream
-        with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []):
-            torch.manual_seed(derive_seed(self.cfg.seed, *seed_tags))
-            for _ in range(hp.kd_epochs):
-                for batch, target, kept in zip(batches, teachers, keeps):
-                    logits, labels = self.forward(model, batch)
-                    kd = selective_kd_loss(prompt_end_rows(logits, labels, IGNORE_INDEX),
-                                           target.to(device), kept.to(device), hp.kd_temperature)
-                    ce = answer_losses(logits, labels, IGNORE_INDEX).mean()
-                    loss = (1 - hp.kd_weight) * ce + hp.kd_weight * kd
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-        for name, param in model.named_parameters():
-            param.requires_grad_(flags[name])
-        return {n: p.detach().to('cpu').clone() for n, p in model.named_parameters() if n in names}
+        hp = self.hparams
+
+        def loss(logits, labels, rows):
+            device = logits.device
+            kd = selective_kd_loss(prompt_end_rows(logits, labels, IGNORE_INDEX),
+                                   teacher[rows].to(device), keep[rows].to(device),
+                                   hp.kd_temperature)
+            ce = answer_losses(logits, labels, IGNORE_INDEX).mean()
+            return (1 - hp.kd_weight) * ce + hp.kd_weight * kd
+        return self.train_on_public(key, lora, loss, seed_tags)

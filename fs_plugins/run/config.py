@@ -19,6 +19,7 @@ from fs_plugins.schema.fs_llm import assign, changed_leaves, map_fs_llm_names
 from fs_plugins.schema.loading import (
     check_layers,
     checked,
+    client_entry_problems,
     config_layers,
     decode_value,
     layer_modules,
@@ -114,6 +115,10 @@ def client_overrides(client_cfgs, cfg, fs_known: Mapping | None = None) -> dict[
         if cid is None or not 1 <= cid <= client_num:
             problems.append(f"--client_cfg names '{key}', which is not a client of this run "
                             f"(expected client_1 .. client_{client_num})")
+            continue
+        not_a_mapping = client_entry_problems({key: value}, '--client_cfg')
+        if not_a_mapping:
+            problems += not_a_mapping
             continue
         override = to_plain(value) or {}
         merged, found = validate(merge(to_plain(cfg), override), fs_known)

@@ -43,6 +43,16 @@ def merge(base: dict, layer: Mapping) -> dict:
     return out
 
 
+def client_entry_problems(entries: Mapping, source: str) -> list[str]:
+    """The entries of a --client_cfg mapping (read from `source`) that are neither a mapping
+    of config keys nor null: one line per entry, naming `source` and the client key. A client
+    without an entry, or with a null or empty one, runs the run's config (as FS's FedRunner
+    treats it, fed_runner.py `_setup_client`)."""
+    return [f"{source}: {key} = {value!r}: expected a mapping of config keys, or nothing (the "
+            f"run's config)" for key, value in entries.items()
+            if value is not None and not isinstance(value, Mapping)]
+
+
 def parse_opts(opts: list[str]) -> dict:
     """FS-style command line overrides: ['a.b', 'v', 'c', 'w'] -> nested dict (raw values)."""
     if len(opts) % 2:

@@ -43,6 +43,15 @@ METHODS = {
         'beta2': ('float', 0.99, {'ge': 0, 'lt': 1}),
         'tau': ('float', 0.001, {'gt': 0}),
     },
+    'fedadapter': {
+        'target_modules': ('list[str]', ['o_proj', 'down_proj'], {}),
+        'max_width': ('int', 64, {'ge': 1}),
+        'start_depth': ('int', 1, {'ge': 1}),
+        'start_width': ('int', 8, {'ge': 1}),
+        'depth_step': ('int', 1, {'ge': 1}),
+        'width_step': ('int', 8, {'ge': 1}),
+        'trial_rounds': ('int', 10, {'ge': 1}),
+    },
     'fedavg': {
         'full_finetune': ('bool', False, {}),
     },
@@ -93,6 +102,7 @@ METHODS = {
         'pq_scale': ('str', 'none', {'choices': ['none', 'alpha_over_r']}),
         'gate': ('str', 'per_layer', {'choices': ['per_layer', 'per_module']}),
         'temperature': ('float', 0.5, {'gt': 0}),
+        'aggregation': ('str', 'rela', {'choices': ['rela', 'nbs']}),
         'include_self': ('bool', True, {}),
         'pivot_builder': ('str', '', {}),
         'pivot_model_type': ('str', '', {}),
@@ -195,6 +205,19 @@ METHODS = {
     },
     'standalone': {
         'full_finetune': ('bool', False, {}),
+    },
+    'takfl': {
+        'coefficients': ('str', 'search', {'choices': ['search', 'given']}),
+        'task_weights': ('list[float]', [], {'ge': 0}),
+        'search_candidates': ('int', 10, {'ge': 1}),
+        'self_weight': ('float', 0.5, {'ge': 0}),
+        'self_temperature': ('float', 20.0, {'gt': 0}),
+        'kd_temperature': ('float', 3.0, {'gt': 0}),
+        'kd_epochs': ('int', 1, {'ge': 1}),
+        'kd_batch_size': ('int', 8, {'ge': 1}),
+        'kd_lr': ('float', 0.001, {'gt': 0}),
+        'public_data': ('str', '', {}),
+        'public_samples': ('int', 256, {'ge': 2}),
     },
     'uniflow': {
         'aggregation': ('str', 'fed_a2', {'choices': ['fed_a2', 'fedavg', 'ffa', 'fedsa', 'fedex']}),
