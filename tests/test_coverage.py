@@ -69,6 +69,14 @@ def test_no_row_waits_for_a_planned_method():
     assert not waiting, waiting
 
 
+def test_only_difference_rows_and_labels_name_no_method():
+    """Every row that is a method names a runnable one: a row without a method is a difference
+    of two other rows or a label (its reason says 'not a method')."""
+    unrunnable = [f"{t['paper']} {t['table']}: {row['row']}" for t in TABLES for row in t['rows']
+                  if row.get('method') is None and 'not a method' not in row['reason']]
+    assert not unrunnable, unrunnable
+
+
 @pytest.mark.parametrize('table', TABLES, ids=[f"{t['paper']}-{t['table']}" for t in TABLES])
 def test_every_row_has_the_papers_numbers_or_says_why(table):
     """Each table lists the paper's columns and every row its number for each (or the reason
