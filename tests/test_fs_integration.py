@@ -199,14 +199,16 @@ def test_fs_saves_models_at_rounds_without_evaluation(tmp_path):
 
 @pytest.mark.parametrize('method, secure', [('toy_phased', None), ('fedmole', 'certificate'),
                                             ('fedmosaic', 'token'), ('fedmkt', None),
-                                            ('adalora', None), ('fwdllm', None)])
+                                            ('adalora', None), ('fwdllm', None),
+                                            ('fedadapter', None)])
 def test_fs_distributed_matches_embedded(tmp_path, method, secure):
     """Server + 2 clients launched over gRPC on 127.0.0.1 (plaintext, or TLS with clients
     authenticated by certificate or token, outsiders refused while it runs), with client-local
     state that persists across rounds and phases (toy_phased with extra payloads; fedmole's
     routed experts and routers; fedmosaic with the two clients on different models, each
     process naming the pivot; fedmkt's server model distilling with clients of two sizes;
-    adalora's importance and budget masks; fwdllm's global direction and perturbation count);
+    adalora's importance and budget masks; fwdllm's global direction and perturbation count;
+    fedadapter's trial configurations, each client uploading only its assigned layers);
     bounded in time; same numbers as the embedded runner."""
     from fs_plugins.commands.credentials import make_credentials
     from fs_plugins.commands.launch import LocalFederation
