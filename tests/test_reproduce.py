@@ -29,8 +29,12 @@ def test_dry_run_prints_every_rows_command(paper, name, tmp_path, capsys):
             assert f"# {row['row']}: {plan.why_not}" in printed
             continue
         for seed in (1, 2):
-            line = next(line for line in printed.splitlines()
-                        if line.endswith(reproduce.row_dir(str(tmp_path), table, row, seed)))
+            line = next((line for line in printed.splitlines()
+                         if line.endswith(reproduce.row_dir(str(tmp_path), table, row, seed))),
+                        None)
+            if line is None:   # its command is an earlier row's: printed as that run
+                assert f"# {row['row']} seed {seed}: the same run as " in printed
+                continue
             assert line.startswith(f'fs-plugins run --cfg {plan.yaml}')
             assert f"fsplug.method {row['method']}" in line and f'seed {seed}' in line
     assert not os.listdir(tmp_path), 'a dry run must not run anything'
@@ -127,3 +131,30 @@ def test_tiny_reproduce_prints_ours_beside_the_papers_and_resumes(tiny_flame_tab
         return [line.split(' | ')[:-1] for line in text.splitlines() if line.startswith('| No rescaler')]
     assert numbers(again) == numbers(printed)
     assert again.count('| done earlier |') == 2
+
+
+def test_rows_with_the_same_command_run_once_and_share_the_folder(tmp_path, monkeypatch):
+    """SmartFed Table 1's three FedAdapter rows differ only in the LLM, which the tiny stand-in
+    does not set: one run, the other rows' folders link to it; a second call runs nothing."""
+    table = _table('smartfed', 'Table 1')
+    rows = reproduce.select_rows(table, ['FedAdapter'])
+    assert len(rows) == 3
+    ran = []
+
+    def fake_run(command, log_path):
+        ran.append(command)
+        os.makedirs(log_path[:-len('.log')], exist_ok=True)
+        open(os.path.join(log_path[:-len('.log')], 'summary.md'), 'w').close()
+        return 0
+    monkeypatch.setattr(reproduce, 'run_row', fake_run)
+    for attempt in range(2):
+        same_runs = {}
+        statuses = [reproduce.run_row_seeds(table, row, 'tiny', str(tmp_path), [1], [], False,
+                                            same_runs) for row in rows]
+        assert statuses == [['ran', 'done earlier'][attempt]] + ['same run as an earlier row'] * 2
+    assert len(ran) == 1
+    first = reproduce.row_dir(str(tmp_path), table, rows[0], 1)
+    for row in rows[1:]:
+        linked = reproduce.row_dir(str(tmp_path), table, row, 1)
+        assert os.path.islink(linked) and os.path.realpath(linked) == os.path.realpath(first)
+        assert reproduce.finished(linked)

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -304,7 +305,9 @@ def reproduce(args) -> int:
     out = os.path.abspath(args.out)
     overrides = [part for pair in args.overrides for part in pair]
     print('\n'.join(header_lines(table, scale, args.seeds)) + '\n', flush=True)
-    statuses = {id(row): run_row_seeds(table, row, scale, out, args.seeds, overrides, args.dry_run)
+    same_runs: dict = {}
+    statuses = {id(row): run_row_seeds(table, row, scale, out, args.seeds, overrides, args.dry_run,
+                                       same_runs)
                 for row in rows}
     if not args.dry_run:
         print('\n' + format_table(table, rows, out, args.seeds, scale, statuses))
@@ -312,9 +315,11 @@ def reproduce(args) -> int:
 
 
 def run_row_seeds(table: dict, row: dict, scale: str, out: str, seeds: list[int],
-                  overrides: list[str], dry_run: bool) -> str:
+                  overrides: list[str], dry_run: bool, same_runs: dict) -> str:
     """Runs (or with dry_run prints) a row's command per seed, skipping finished runs; returns
-    the row's status for the table."""
+    the row's status for the table. A row whose command an earlier row of this call already
+    ran (panels that differ only in a setting the tiny stand-in drops, e.g. the LLM) links to
+    that run's folder instead of running it again (`same_runs`: {command: folder})."""
     plan = RowRun(table, row, scale)
     if plan.why_not:
         print(f"# {row['row']}: {plan.why_not}")
@@ -322,6 +327,14 @@ def run_row_seeds(table: dict, row: dict, scale: str, out: str, seeds: list[int]
     outcome = []
     for seed in seeds:
         results_dir = row_dir(out, table, row, seed)
+        same = (plan.yaml, plan.client_cfg, tuple(plan.opts + overrides), seed)
+        if same in same_runs and same_runs[same] != results_dir:
+            print(f"# {row['row']} seed {seed}: the same run as {same_runs[same]}")
+            if not dry_run:
+                link_run(same_runs[same], results_dir)
+            outcome.append('same run as an earlier row')
+            continue
+        same_runs[same] = results_dir
         if finished(results_dir):
             print(f"# {row['row']} seed {seed}: finished earlier ({results_dir}), not run again")
             outcome.append('done earlier')
@@ -338,6 +351,17 @@ def run_row_seeds(table: dict, row: dict, scale: str, out: str, seeds: list[int]
         code = run_row(command, results_dir + '.log')
         outcome.append('ran' if code == 0 else f'failed (exit {code}, see {results_dir}.log)')
     return ', '.join(dict.fromkeys(outcome))
+
+
+def link_run(first: str, results_dir: str) -> None:
+    """`results_dir` becomes a link to the earlier row's folder `first` (replacing an
+    unfinished run's folder)."""
+    if os.path.islink(results_dir) or os.path.isfile(results_dir):
+        os.remove(results_dir)
+    elif os.path.isdir(results_dir):
+        shutil.rmtree(results_dir)
+    os.makedirs(os.path.dirname(results_dir), exist_ok=True)
+    os.symlink(first, results_dir)
 
 
 def _quoted(command: list[str]) -> list[str]:
