@@ -158,3 +158,14 @@ def test_rows_with_the_same_command_run_once_and_share_the_folder(tmp_path, monk
         linked = reproduce.row_dir(str(tmp_path), table, row, 1)
         assert os.path.islink(linked) and os.path.realpath(linked) == os.path.realpath(first)
         assert reproduce.finished(linked)
+
+
+def test_tiny_scale_drops_the_placeholder_paths_the_gpu_user_supplies():
+    table = _table('fedmosaic', 'Table 31')
+    row = next(r for r in table['rows'] if r['row'] == 'LLaVA-Qwen-0.5B (4bit)')
+    assert str(row['options']['fsplug.fedmosaic.small_model_type']).startswith('/path/to/')
+    tiny = reproduce.RowRun(table, row, 'tiny').opts
+    assert 'fsplug.fedmosaic.small_model_type' not in tiny
+    assert tiny[tiny.index('fsplug.fedmosaic.small_quantization') + 1] == '4bit'
+    paper = reproduce.RowRun(table, row, 'paper').opts
+    assert 'fsplug.fedmosaic.small_model_type' in paper

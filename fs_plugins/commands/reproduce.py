@@ -34,6 +34,7 @@ TINY_DROPPED_KEYS = frozenset({
     'federate.sample_client_rate', 'federate.total_round_num', 'train.local_update_steps',
     'data.splitter', 'fsplug.data.select', 'fsplug.model.adapter', 'fsplug.eval.gen_metrics',
     'fsplug.smartfed.budget'})   # SmartFed's quota counts the paper's library ranks (r 32)
+PLACEHOLDER = '/path/to/'   # a file or model the GPU user supplies: not there at tiny scale
 AVERAGE = 'average'
 
 
@@ -135,7 +136,8 @@ class RowRun:
         if scale == 'tiny':
             self.yaml = row.get('tiny_yaml') or table.get('tiny_yaml') or f'yamls/{method}/tiny.yaml'
             self.client_cfg = row.get('tiny_client_cfg') or table.get('tiny_client_cfg')
-            keys = {k: v for k, v in keys.items() if k not in TINY_DROPPED_KEYS}
+            keys = {k: v for k, v in keys.items() if k not in TINY_DROPPED_KEYS
+                    and not str(v).startswith(PLACEHOLDER)}
         else:
             self.yaml, self.client_cfg = options.get('yaml'), options.get('client_cfg')
             if not self.yaml:
