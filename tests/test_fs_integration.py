@@ -46,6 +46,19 @@ def run_fs(args, timeout=300, **env):
                           env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+def run_to_end(federation, timeout: int) -> None:
+    """Starts a LocalFederation's server, then its clients once it listens, follows it to its
+    end (at most `timeout` seconds) and stops every party whatever happens."""
+    try:
+        federation.start(federation.parties[0])
+        federation.wait_listening(federation.parties[0], 120)
+        for party in federation.parties[1:]:
+            federation.start(party)
+        federation.follow(timeout=timeout)
+    finally:
+        federation.stop_all()
+
+
 def read_rows(results_dir):
     with open(os.path.join(results_dir, 'results.jsonl')) as handle:
         return [json.loads(line) for line in handle]
@@ -267,14 +280,7 @@ def test_fs_distributed_personalised_content_matches_embedded(tmp_path, method, 
         base['fsplug']['dofit']['domains'] = [0, 0, 1, 1]
     base['fsplug']['results_dir'] = str(tmp_path / 'distributed')
     federation = LocalFederation(write_yaml(tmp_path / 'base.yaml', base), env=_env(), secure=secure)
-    try:
-        federation.start(federation.parties[0])
-        federation.wait_listening(federation.parties[0], 120)
-        for party in federation.parties[1:]:
-            federation.start(party)
-        federation.follow(timeout=300)
-    finally:
-        federation.stop_all()
+    run_to_end(federation, timeout=300)
     assert_same_numbers(read_rows(federation.run_dir), _embedded_rows(tmp_path, base))
     assert_same_artifacts(federation.run_dir, str(tmp_path / 'embedded'),
                           ['global'] + [f'client_{c}' for c in range(1, clients + 1)])

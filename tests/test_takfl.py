@@ -200,6 +200,7 @@ def test_fs_distributed_with_two_prototypes_matches_embedded(tmp_path):
         assert_same_artifacts,
         assert_same_numbers,
         read_rows,
+        run_to_end,
     )
 
     from fs_plugins.commands.launch import LocalFederation
@@ -209,14 +210,7 @@ def test_fs_distributed_with_two_prototypes_matches_embedded(tmp_path):
     own_model = {'client_2': TWO_PROTOTYPES['client_3']}
     federation = LocalFederation(write_yaml(tmp_path / 'base.yaml', base),
                                  write_yaml(tmp_path / 'clients.yaml', own_model), env=_env())
-    try:
-        federation.start(federation.parties[0])
-        federation.wait_listening(federation.parties[0], 120)
-        for party in federation.parties[1:]:
-            federation.start(party)
-        federation.follow(timeout=300)
-    finally:
-        federation.stop_all()
+    run_to_end(federation, timeout=300)
     assert_same_numbers(read_rows(federation.run_dir), _embedded_rows(tmp_path, base, own_model))
     assert_same_artifacts(federation.run_dir, str(tmp_path / 'embedded'),
                           ['global', 'client_1', 'client_2'])
