@@ -165,6 +165,9 @@ def test_an_interrupted_run_keeps_every_finished_rounds_results(tmp_path, monkey
     assert {(r['round'], r['kind']) for r in rows} == {(0, 'train'), (0, 'eval'), (0, 'server'),
                                                         (1, 'train'), (1, 'eval'), (1, 'server')}
     assert os.path.isfile(tmp_path / 'cut' / 'summary.md')
+    # ... and says it did not go to its end (a run that does says so: test_reproduce)
+    with open(tmp_path / 'cut' / 'run_info.json') as handle:
+        assert json.load(handle)['completed'] is False
 
 
 # ------------------------------------------------------------------ checkpoint format

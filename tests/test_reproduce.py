@@ -72,7 +72,7 @@ def _fake_run(path, evals, names):
         handle.writelines(json.dumps({'kind': 'eval', 'round': r, 'client': c, 'test_token_acc': v}) + '\n'
                           for r, c, v in evals)
     with open(os.path.join(path, 'run_info.json'), 'w') as handle:
-        json.dump({'client_names': names}, handle)
+        json.dump({'client_names': names, 'completed': True}, handle)
     open(os.path.join(path, 'summary.md'), 'w').close()
 
 
@@ -144,7 +144,8 @@ def test_rows_with_the_same_command_run_once_and_share_the_folder(tmp_path, monk
     def fake_run(command, log_path):
         ran.append(command)
         os.makedirs(log_path[:-len('.log')], exist_ok=True)
-        open(os.path.join(log_path[:-len('.log')], 'summary.md'), 'w').close()
+        with open(os.path.join(log_path[:-len('.log')], 'run_info.json'), 'w') as handle:
+            json.dump({'completed': True}, handle)
         return 0
     monkeypatch.setattr(reproduce, 'run_row', fake_run)
     for attempt in range(2):

@@ -2,7 +2,7 @@
 
 Each row's run is `fs-plugins run --cfg <yaml> fsplug.method <method> [the row's keys] seed k
 fsplug.results_dir OUT/<paper>/<table>/<position>_<row>/seed<k>`; a row whose folder already
-holds a finished run (summary.md) is not run again. Then the table is printed with the paper's
+holds a finished run (run_info.json: completed) is not run again. Then the table is printed with the paper's
 rows and columns: per column the paper's number, ours (mean ± std over seeds) and the difference.
 
 `--scale paper` runs each row's own YAML (the paper's data, model and budget). `--scale tiny`
@@ -158,7 +158,13 @@ def run_command(yaml_path: str, client_cfg: str | None, opts: list[str], seed: i
 
 
 def finished(results_dir: str) -> bool:
-    return os.path.isfile(os.path.join(results_dir, 'summary.md'))
+    """Whether the run in `results_dir` went to its end (a run stopped by an error also
+    writes its summary, but records completed: false in run_info.json)."""
+    try:
+        with open(os.path.join(results_dir, 'run_info.json'), encoding='utf-8') as handle:
+            return json.load(handle).get('completed') is True
+    except (OSError, ValueError):
+        return False
 
 
 def run_row(command: list[str], log_path: str) -> int:

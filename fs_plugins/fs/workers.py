@@ -550,7 +550,7 @@ class PluginServer(Server):
         logger.error(f'fsplug: {reason}; the federation stops')
         self._send_finish()
         self.procedure.finish_round()
-        self.procedure.results.close()
+        self.procedure.results.close(completed=False)
         raise FederationStopped(f'fsplug: the server stopped the federation: {reason}')
 
     def _send_finish(self, msg_type: str = 'finish') -> None:

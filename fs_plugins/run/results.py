@@ -57,8 +57,8 @@ class ResultsLog:
         # kept open for the log's life: every row is appended and flushed as it comes
         self._jsonl = open(self.jsonl_path, 'a' if resume_rows is not None else 'w',  # noqa: SIM115
                            encoding='utf-8')
-        with open(os.path.join(out_dir, 'run_info.json'), 'w', encoding='utf-8') as handle:
-            json.dump(run_info, handle, indent=2, default=str)
+        self.run_info = dict(run_info)
+        self._write_run_info()
         self.client_names: dict[int, str] = dict(run_info.get('client_names', {}))
         # FS distributed: clients train at the same time, so a round's critical path is its
         # slowest client's (time_split)
@@ -195,7 +195,16 @@ class ResultsLog:
                 picked[f'{label} {name}'] = average[prefix + name]
         return _markdown(['method', *picked], [{'method': self.run_label, **picked}])
 
-    def close(self) -> str:
+    def _write_run_info(self) -> None:
+        with open(os.path.join(self.out_dir, 'run_info.json'), 'w', encoding='utf-8') as handle:
+            json.dump(self.run_info, handle, indent=2, default=str)
+
+    def close(self, completed: bool = True) -> str:
+        """Writes the CSV and summary.md of the rows so far, and records in run_info.json
+        whether the run went to its end (`completed`; False: it stopped on an error, its
+        results so far kept)."""
+        self.run_info['completed'] = completed
+        self._write_run_info()
         self.write_csv()
         summary = self.summary_markdown()
         with open(self.summary_path, 'w', encoding='utf-8') as handle:

@@ -48,6 +48,7 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
                          overwrite=bool(cfg.fsplug.overwrite),
                          resume_rows=checkpoint['rows'] if checkpoint else None)
     logger.info(f'fs-plugins: results -> {results.out_dir}')
+    completed = False
     try:
         shared, layout = initial_global(cfg, method)
         server = ServerProcedure(cfg, method, shared, results, layout)
@@ -85,8 +86,9 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
             if should_checkpoint(cfg, round_idx + 1):
                 save_federation(results.out_dir, round_idx, server, clients.values(),
                                 len(results.rows))
+        completed = True
     finally:
-        summary = results.close()
+        summary = results.close(completed)
     print(f'\nPer-client results ({cfg.fsplug.method}, embedded runner, seed {cfg.seed}):\n'
           f'{summary}\nFiles: {results.out_dir}/results.jsonl, results.csv, summary.md')
     return results
