@@ -4,6 +4,7 @@ against a generic solver and a 2-task closed form, W_s's own batches against enc
 records directly, and both run end to end on the tiny heterogeneous federation."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -256,3 +257,32 @@ def test_clients_of_another_tokenizer_than_the_pivot_run_end_to_end(tmp_path):
     assert clients[1].method.record_index is None and clients[3].method.record_index is not None
     grads = torch.stack([c.method.client_extra(c.model, c.state)[GRAD_KEY] for c in clients.values()])
     assert torch.isfinite(rela_weights(grads)).all()
+
+
+# ------------------------------------------------------------------ through FederatedScope
+@pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
+                    reason='FederatedScope is not installed')
+@pytest.mark.parametrize('variant', ['nbs', 'other_tokenizer_ws'])
+def test_fs_standalone_gives_the_embedded_numbers(tmp_path, variant):
+    """Both comparisons through FS standalone (clients on two model sizes): NBS's server state
+    (the initial P, Q) and W_s's record index built from FS's own client data give the embedded
+    runner's numbers."""
+    from helpers import tiny_config, write_yaml
+    from test_fs_integration import (
+        HETEROGENEOUS,
+        _embedded_rows,
+        assert_same_numbers,
+        read_rows,
+        run_fs,
+    )
+    own = {'nbs': {'aggregation': 'nbs'},
+           'other_tokenizer_ws': {'small_builder': 'causal_lm', 'small_model_type':
+                                  f'{_other_vocab_llama(tmp_path / "ws")}@fsplug_llm'}}[variant]
+    cfg = tiny_config(tmp_path, 'fedmosaic', rounds=2, steps=3, fsplug={
+        'results_dir': str(tmp_path / 'fs'), 'fedmosaic': {
+            'num_blocks': 1, 'gradient_every': 2, 'alignment_dir': str(tmp_path / 'align'), **own}})
+    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg),
+                   '--client_cfg', write_yaml(tmp_path / 'clients.yaml', HETEROGENEOUS)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_numbers(read_rows(str(tmp_path / 'fs')),
+                        _embedded_rows(tmp_path, cfg, HETEROGENEOUS))
