@@ -59,6 +59,26 @@ def run_to_end(federation, timeout: int) -> None:
         federation.stop_all()
 
 
+def assert_distributed_matches_embedded(tmp_path, base: dict, client_cfgs: dict | None = None,
+                                       timeout: int = 300, secure: str | None = None) -> list[dict]:
+    """Runs `base` as a LocalFederation (a server and one process per client over gRPC,
+    results in tmp_path/distributed) and asserts the embedded runner's numbers and saved models
+    (the global state and every client's); returns the distributed run's rows."""
+    from fs_plugins.commands.launch import LocalFederation
+    base['fsplug']['results_dir'] = str(tmp_path / 'distributed')
+    federation = LocalFederation(
+        write_yaml(tmp_path / 'base.yaml', base),
+        write_yaml(tmp_path / 'clients.yaml', client_cfgs) if client_cfgs else None,
+        env=_env(), secure=secure)
+    run_to_end(federation, timeout=timeout)
+    rows = read_rows(federation.run_dir)
+    assert_same_numbers(rows, _embedded_rows(tmp_path, base, client_cfgs))
+    clients = int(base['federate']['client_num'])
+    assert_same_artifacts(federation.run_dir, str(tmp_path / 'embedded'),
+                          ['global'] + [f'client_{c}' for c in range(1, clients + 1)])
+    return rows
+
+
 def read_rows(results_dir):
     with open(os.path.join(results_dir, 'results.jsonl')) as handle:
         return [json.loads(line) for line in handle]
@@ -271,19 +291,13 @@ def test_fs_distributed_personalised_content_matches_embedded(tmp_path, method, 
     """Content that differs per client and over time through FS's gRPC: FedLEASE's warm-up
     (nothing sent), then each cluster's expert with the other experts and the cluster id;
     DoFIT's per-domain LoRA. Same numbers and saved models as the embedded runner."""
-    from fs_plugins.commands.launch import LocalFederation
     base = tiny_config(tmp_path, method, rounds=3, steps=3,
                        federate={'client_num': clients, 'sample_client_num': clients},
                        data={'splitter': 'iid'})
     deep_update(base, MODEL_SETUP[method])
     if method == 'dofit':
         base['fsplug']['dofit']['domains'] = [0, 0, 1, 1]
-    base['fsplug']['results_dir'] = str(tmp_path / 'distributed')
-    federation = LocalFederation(write_yaml(tmp_path / 'base.yaml', base), env=_env(), secure=secure)
-    run_to_end(federation, timeout=300)
-    assert_same_numbers(read_rows(federation.run_dir), _embedded_rows(tmp_path, base))
-    assert_same_artifacts(federation.run_dir, str(tmp_path / 'embedded'),
-                          ['global'] + [f'client_{c}' for c in range(1, clients + 1)])
+    assert_distributed_matches_embedded(tmp_path, base, secure=secure)
 
 
 def test_cli_runs_through_fs(tmp_path):

@@ -176,21 +176,7 @@ def test_fs_standalone_matches_embedded(tmp_path):
 def test_fs_distributed_matches_embedded(tmp_path):
     """Server + 2 clients over gRPC on 127.0.0.1: every weight travels in the plugin's wire
     format, the same numbers and saved models as the embedded runner."""
-    from helpers import write_yaml
-    from test_fs_integration import (
-        _embedded_rows,
-        _env,
-        assert_same_artifacts,
-        assert_same_numbers,
-        read_rows,
-        run_to_end,
-    )
-
-    from fs_plugins.commands.launch import LocalFederation
+    from test_fs_integration import assert_distributed_matches_embedded
     base = fs_config(tmp_path, federate={'client_num': 2, 'sample_client_num': 2},
                      data={'splitter': 'iid'})
-    base['fsplug']['results_dir'] = str(tmp_path / 'distributed')
-    federation = LocalFederation(write_yaml(tmp_path / 'base.yaml', base), None, env=_env())
-    run_to_end(federation, timeout=240)
-    assert_same_numbers(read_rows(federation.run_dir), _embedded_rows(tmp_path, base))
-    assert_same_artifacts(federation.run_dir, str(tmp_path / 'embedded'), ['global', 'client_1', 'client_2'])
+    assert_distributed_matches_embedded(tmp_path, base, timeout=240)

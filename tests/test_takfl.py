@@ -194,23 +194,7 @@ def test_fs_standalone_with_two_prototypes_matches_embedded(tmp_path):
 def test_fs_distributed_with_two_prototypes_matches_embedded(tmp_path):
     """Server + 2 client processes over gRPC, client 2 on the larger tiny Llama: the server
     distils between the two prototypes; same numbers and models as the embedded runner."""
-    from test_fs_integration import (
-        _embedded_rows,
-        _env,
-        assert_same_artifacts,
-        assert_same_numbers,
-        read_rows,
-        run_to_end,
-    )
-
-    from fs_plugins.commands.launch import LocalFederation
+    from test_fs_integration import assert_distributed_matches_embedded
     base = fs_config(tmp_path, federate={'client_num': 2, 'sample_client_num': 2},
                      data={'splitter': 'iid'})
-    base['fsplug']['results_dir'] = str(tmp_path / 'distributed')
-    own_model = {'client_2': TWO_PROTOTYPES['client_3']}
-    federation = LocalFederation(write_yaml(tmp_path / 'base.yaml', base),
-                                 write_yaml(tmp_path / 'clients.yaml', own_model), env=_env())
-    run_to_end(federation, timeout=300)
-    assert_same_numbers(read_rows(federation.run_dir), _embedded_rows(tmp_path, base, own_model))
-    assert_same_artifacts(federation.run_dir, str(tmp_path / 'embedded'),
-                          ['global', 'client_1', 'client_2'])
+    assert_distributed_matches_embedded(tmp_path, base, {'client_2': TWO_PROTOTYPES['client_3']})

@@ -103,23 +103,9 @@ def test_a_method_that_trains_still_refuses_a_model_with_nothing_trainable(tmp_p
 def test_fs_distributed_matches_embedded(tmp_path):
     """Server + 2 clients over gRPC on 127.0.0.1: empty messages both ways, the embedded
     runner's numbers and saved models."""
-    from helpers import tiny_config, write_yaml
-    from test_fs_integration import (
-        _embedded_rows,
-        _env,
-        assert_same_artifacts,
-        assert_same_numbers,
-        read_rows,
-        run_to_end,
-    )
-
-    from fs_plugins.commands.launch import LocalFederation
+    from helpers import tiny_config
+    from test_fs_integration import assert_distributed_matches_embedded
     base = tiny_config(tmp_path, 'zero_shot', rounds=2, steps=3,
                        federate={'client_num': 2, 'sample_client_num': 2}, data={'splitter': 'iid'})
-    base['fsplug']['results_dir'] = str(tmp_path / 'distributed')
-    federation = LocalFederation(write_yaml(tmp_path / 'base.yaml', base), None, env=_env())
-    run_to_end(federation, timeout=240)
-    rows = read_rows(federation.run_dir)
+    rows = assert_distributed_matches_embedded(tmp_path, base, timeout=240)
     assert {(r['bytes_up'], r['bytes_down']) for r in rows if r['kind'] == 'train'} == {(0, 0)}
-    assert_same_numbers(rows, _embedded_rows(tmp_path, base))
-    assert_same_artifacts(federation.run_dir, str(tmp_path / 'embedded'), ['global', 'client_1', 'client_2'])
