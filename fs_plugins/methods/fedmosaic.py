@@ -242,6 +242,9 @@ class FedMosaic(Method):
     # the client's training records by their encoding, built when a W_s of another tokenizer
     # first needs its own batch (derived from the config: a cache, not checkpointed state)
     record_index: RecordIndex | None = None
+    # whether W_s reads the client's batches as they are (same_tokenizer), compared once: the
+    # vocabularies are 100k+ entries and RELA asks on every gradient step
+    ws_reads_client_batches: bool | None = None
     relative_cost = 1.098   # Table 15: FLOPs per iteration relative to SFT (W_s's gradient, gates)
     hf_export_refusal = ("FedMosaic's layers mix a local and a global module with a learned "
                          "gate, and PQ-LoRA's P, Q sit between A and B: not a peft LoRA")
@@ -414,7 +417,9 @@ class FedMosaic(Method):
         """The batch W_s reads: the client's own when they share a tokenizer; else the same
         records encoded by W_s's codec (A.20, `tuners.mosaic.ws_batches`), None if none fits."""
         small_codec = small_base(state['small_cfg'], self.hparams).codec
-        if same_tokenizer(self.client_codec, small_codec):
+        if self.ws_reads_client_batches is None:
+            self.ws_reads_client_batches = same_tokenizer(self.client_codec, small_codec)
+        if self.ws_reads_client_batches:
             return batch
         if self.record_index is None:
             self.record_index = RecordIndex(client_train_records(self.cfg, self.client_id),
