@@ -4,7 +4,8 @@ greedy generation, side by side in one run (target: batched >= 3x faster).
     python scripts/bench_multimodal.py [--builder easyvqa_llava] [--samples 48] [--batch 16]
                                        [--steps 5] [--threads 2] [--quick]
 
---quick: a check that the script works: 4 samples, batches of 2, 1 training step.
+--quick: a check that the script works: 4 samples, batches of 2, 1 training step, on the
+random tiny LLaVA (tiny_llava) unless --builder names another; it needs no download.
 """
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ def load(builder: str, yaml_path: str):
     from fs_plugins.methods.registry import get_method_class
     from fs_plugins.run.config import load_config
     from fs_plugins.run.runtime import build_federated_records
-    cfg = load_config(yaml_path, overrides={'fsplug': {'model': {'builder': builder}}})
+    overrides = {'fsplug': {'model': {'builder': builder}}}
+    if builder.startswith('tiny_'):   # its cached random weights, not the YAML's model folder
+        overrides['model'] = {'type': f'{builder}@fsplug_llm'}
+    cfg = load_config(yaml_path, overrides=overrides)
     built = build_model(cfg, get_method_class(cfg.fsplug.method)(cfg))
     records = build_federated_records(cfg)
     test = [r for c in records.clients.values() for r in c['test']]
@@ -60,7 +64,7 @@ def time_generation(built, records, batch_size: int, max_new_tokens: int) -> tup
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--builder', default='easyvqa_llava')
+    parser.add_argument('--builder', default=None, help='default: easyvqa_llava (--quick: tiny_llava)')
     parser.add_argument('--yaml', default=os.path.join(REPO, 'yamls', 'fedavg', 'easyvqa.yaml'))
     parser.add_argument('--samples', type=int, default=48)
     parser.add_argument('--batch', type=int, default=16)
@@ -71,6 +75,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.samples, args.batch, args.train_batch, args.steps = 4, 2, 2, 1
+    args.builder = args.builder or ('tiny_llava' if args.quick else 'easyvqa_llava')
     torch.set_num_threads(args.threads)
     cfg, built, train, test = load(args.builder, args.yaml)
     records = test[:args.samples]

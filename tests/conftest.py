@@ -1,3 +1,5 @@
+import importlib.util
+import logging
 import os
 import sys
 
@@ -16,20 +18,45 @@ QUICK_TESTS = (
     'test_flame.py::test_router_gets_no_lora_and_every_expert_does',
     'test_flame.py::test_split_gate_up_keeps_the_forward_and_peft_wraps_each_projection',
     'test_glue.py::test_parquet_and_saved_dataset_dict',
-    'test_every_method.py::test_tiny_yaml_runs_one_round[fedavg-bfloat16]',
+    'test_every_method.py::test_tiny_yaml_runs[fedavg-bfloat16]',
     'test_artifacts.py::test_peft_loads_a_plain_lora_client_folder',
     'test_fed_a2_vera.py::test_tiny_vera_run_of_ffa',
 )
 
 
+# The tiers (pytest.ini declares the markers; docs/development.md their budgets): each test is in
+# exactly one, by its marker; `fast` holds the unmarked tests.
+TIER_MARKERS = ('slow', 'fs', 'bench')
+TIERS = {'fast': 'not slow and not fs and not bench', 'slow': 'slow', 'fs': 'fs', 'bench': 'bench',
+         'all': ''}
+HAVE_FS = importlib.util.find_spec('federatedscope') is not None
+NO_FS_REASON = ("FederatedScope is not installed (its llm branch: docs/install.md); "
+                "`.ci/run` installs it and runs this test")
+
+
+def pytest_addoption(parser):
+    parser.addoption('--tier', choices=sorted(TIERS), default=None,
+                     help='the test tier to run (default: fast, unless -m or a test id selects)')
+
+
 def pytest_configure(config):
-    config.addinivalue_line('markers', 'quick: a few fast tests for scripts/check_min_versions.sh')
+    """The tier becomes pytest's own marker expression (-m): `--tier`, else the fast tier
+    unless -m or a test id (file.py::name) already selects."""
+    tier = config.getoption('tier')
+    chosen = config.getoption('markexpr') or any('::' in arg for arg in config.args)
+    if tier or not chosen:
+        config.option.markexpr = TIERS[tier or 'fast']
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if f'{item.path.name}::{item.name}' in QUICK_TESTS:
             item.add_marker(pytest.mark.quick)
+        tiers = [m for m in TIER_MARKERS if item.get_closest_marker(m)]
+        if len(tiers) > 1:
+            raise pytest.UsageError(f'{item.nodeid} is marked {tiers}: a test is in one tier')
+        if tiers == ['fs'] and not HAVE_FS:
+            item.add_marker(pytest.mark.skip(reason=NO_FS_REASON))
 
 
 @pytest.fixture(scope='session', autouse=True)
@@ -40,3 +67,22 @@ def asset_cache(tmp_path_factory):
     from fs_plugins.models.tiny import ensure_tiny_llama
     ensure_tiny_llama()
     return cache
+
+
+@pytest.fixture(scope='session')
+def reference_runs(tmp_path_factory, asset_cache):
+    """Each method's reference run, shared by the suites that check a finished run
+    (tests/shared_runs.py)."""
+    from shared_runs import ReferenceRuns
+    return ReferenceRuns(str(tmp_path_factory.mktemp('reference_runs')))
+
+
+@pytest.fixture(autouse=True)
+def plugin_logger_as_it_was():
+    """A run through FS in the test's process routes the 'fs_plugins' logger to FS's handlers
+    and stops its propagation (fs_plugins.fs.logs); put it back, so that later tests' caplog
+    (a root handler) still sees the plugin's lines."""
+    logger = logging.getLogger('fs_plugins')
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]

@@ -125,6 +125,7 @@ def test_adalora_target_r_must_not_exceed_the_initial_rank(tmp_path):
             tmp_path, 'adalora', fsplug={'adalora': {'target_r': 16}})))
 
 
+@pytest.mark.slow
 def test_adalora_end_to_end_final_rounds_hold_the_target_budget(tmp_path):
     cfg = tiny_config(tmp_path, 'adalora', rounds=5, steps=2,
                       fsplug={'model': {'lora': {'r': 4}},

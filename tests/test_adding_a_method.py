@@ -3,7 +3,6 @@ contract (and nothing else), its code block is docs/examples/damped_fedsa.py, an
 example method runs end to end in the embedded runner and under FederatedScope standalone
 (the same numbers), registered from outside the package through fsplug.import_modules."""
 import ast
-import importlib.util
 import inspect
 import json
 import os
@@ -176,6 +175,7 @@ assert torch.equal(merged['other'], torch.ones(1))   # not sent this round: kept
 """
 
 
+@pytest.mark.slow
 def test_the_example_checks_its_option_and_aggregates_a_damped_average(tmp_path):
     """fsplug.damped_fedsa.server_lr is a typed, range-checked key (a misspelt key is named);
     `aggregate` is the damped weighted average on tiny tensors."""
@@ -188,6 +188,7 @@ def test_the_example_checks_its_option_and_aggregates_a_damped_average(tmp_path)
     assert 'fsplug.damped_fedsa.server_rl' in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_example_runs_in_the_embedded_runner(embedded_run):
     """Only lora_A travels; every client ends on the global lora_A and keeps its own lora_B;
     client_metrics' lora_B_norm is in every train row."""
@@ -208,9 +209,7 @@ def test_the_example_runs_in_the_embedded_runner(embedded_run):
             assert not any(torch.equal(tensors[n], clients[1][n]) for n in b_names), cid
 
 
-@pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                    reason='FederatedScope is not installed (install its llm branch to run the '
-                           'example under FS, see README)')
+@pytest.mark.fs
 def test_the_example_under_fs_standalone_gives_the_embedded_numbers(tmp_path, embedded_run):
     """`fs-plugins run --runner fs` (FS standalone): the embedded run's rows, number for number."""
     cfg, embedded_dir = embedded_run

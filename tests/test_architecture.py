@@ -59,6 +59,7 @@ def test_phases_train_exactly_their_parameters(tmp_path):
     assert all(proc.params[n].requires_grad for n in proc.trainable_names)
 
 
+@pytest.mark.slow
 def test_only_shared_keys_leave_and_counters_persist(tmp_path):
     """(a)+(c) lora_B stays local; the step counter survives rounds and is sent as extra."""
     cfg = _cfg(tmp_path)
@@ -75,6 +76,7 @@ def test_only_shared_keys_leave_and_counters_persist(tmp_path):
     assert int(second.extra['steps_total'][0]) == 10
 
 
+@pytest.mark.slow
 def test_server_state_and_personalised_content(tmp_path):
     """(c)+(e) the server keeps state across rounds and sends each client its own content."""
     cfg = _cfg(tmp_path)
@@ -98,6 +100,7 @@ def test_server_state_and_personalised_content(tmp_path):
     torch.testing.assert_close(contents[0][key], expected)
 
 
+@pytest.mark.slow
 def test_local_state_persists_through_embedded_runner(tmp_path, monkeypatch):
     """(a) in the embedded runner: lora_B differs between clients, and a client's lora_B is
     exactly what its own training left (aggregation never touches it)."""
@@ -117,6 +120,7 @@ def test_local_state_persists_through_embedded_runner(tmp_path, monkeypatch):
     assert set(uploads) == {a_numel * 4 + 8}                  # lora_A float32 + one int64 counter
 
 
+@pytest.mark.slow
 def test_failure_mid_run_keeps_results(tmp_path):
     cfg = _cfg(tmp_path, rounds=4, fsplug={'toy_phased': {'fail_at_round': 2}})
     with pytest.raises(RuntimeError, match='planned failure'):

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import shared_runs
 import torch
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
 from helpers import REPO, run_embedded_keeping_clients, tiny_yaml_of
@@ -47,21 +48,29 @@ def _assert_same_models(results, clients):
         batch = _test_batch(proc)
         torch.testing.assert_close(_logits(built.model, batch), _logits(proc.model, batch),
                                    rtol=0, atol=0)
-        # the run's final evaluation, recomputed on the reloaded model
-        proc.model = built.model
-        assert proc._token_metrics(proc.eval_data['test'], 'test')['test_avg_loss'] == \
-            pytest.approx(last_eval[cid]['test_avg_loss'], rel=1e-6)
+        # the run's final evaluation, recomputed on the reloaded model (the run's put back:
+        # a reference run is shared)
+        run_model, proc.model = proc.model, built.model
+        try:
+            assert proc._token_metrics(proc.eval_data['test'], 'test')['test_avg_loss'] == \
+                pytest.approx(last_eval[cid]['test_avg_loss'], rel=1e-6)
+        finally:
+            proc.model = run_model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method', METHODS)
-def test_reloaded_client_models_equal_the_run(tmp_path, method):
-    results, clients = _run(tmp_path, method)
+def test_reloaded_client_models_equal_the_run(tmp_path, reference_runs, method):
+    """On the method's reference run (tests/shared_runs.py), saved after its last round."""
+    reference = reference_runs.of(method)
+    results, clients = reference.results, reference.clients
     adapters = os.path.join(results.out_dir, 'adapters')
     assert sorted(os.listdir(adapters)) == sorted(['global'] + [f'client_{c}' for c in clients])
     for cid in clients:
         with open(os.path.join(client_dir(results.out_dir, cid), ARTIFACT_JSON)) as handle:
             meta = json.load(handle)
-        assert meta['client'] == cid and meta['method'] == method and meta['round'] == 0
+        assert meta['client'] == cid and meta['method'] == method
+        assert meta['round'] == shared_runs.ROUNDS - 1
         assert all(f['bytes'] > 0 for f in meta['files'].values())
     _assert_same_models(results, clients)
     _assert_merged_export_or_refusal(results.out_dir, clients[1], tmp_path / 'merged')
@@ -108,12 +117,13 @@ def test_global_state_and_periodic_saves(tmp_path):
     torch.testing.assert_close(_logits(built.model, batch), _logits(clients[1].model, batch))
 
 
-def test_peft_loads_a_plain_lora_client_folder(tmp_path):
+def test_peft_loads_a_plain_lora_client_folder(reference_runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from fs_plugins.models.tiny import ensure_tiny_llama
-    results, clients = _run(tmp_path, 'fedavg')
+    reference = reference_runs.of('fedavg')
+    results, clients = reference.results, reference.clients
     folder = client_dir(results.out_dir, 2)
     assert not os.path.exists(os.path.join(folder, MODULES_FILE))   # nothing beyond LoRA
     base = AutoModelForCausalLM.from_pretrained(ensure_tiny_llama(None), dtype=torch.float32)

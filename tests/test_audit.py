@@ -54,6 +54,7 @@ def _run_opts(tmp_path) -> list[str]:
     return ['data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp')]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('path, client_file, opts', audited_setups(),
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_every_shipped_yaml_passes_the_audit(tmp_path, path, client_file, opts):

@@ -14,6 +14,7 @@ import sys
 import pytest
 from helpers import REPO
 
+pytestmark = pytest.mark.bench   # the bench tier
 BENCHES = sorted(glob.glob(os.path.join(REPO, 'scripts', 'bench_*.py')))
 MEASURED_NUMBER = re.compile(r'\d\.\d')
 QUICK_TIMEOUT_S = 600   # a stuck run fails instead of hanging the suite; quick runs take seconds

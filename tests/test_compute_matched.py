@@ -47,6 +47,7 @@ def test_matched_phases_apportion_the_budget():
         matched_phases(two, 0.0)
 
 
+@pytest.mark.slow
 def test_ditto_matched_runs_sft_steps_half_per_phase(tmp_path):
     sft, _ = run_embedded_keeping_clients(config(tmp_path, 'fedavg'))
     equal, _ = run_embedded_keeping_clients(config(tmp_path / 'equal', 'ditto'))
@@ -62,6 +63,7 @@ def test_ditto_matched_runs_sft_steps_half_per_phase(tmp_path):
     assert 'relative_cost' not in train_rows(sft)[0]   # equal_steps: nothing declared, not measured
 
 
+@pytest.mark.slow
 def test_a_configured_relative_cost_overrides_the_declared_one(tmp_path):
     results, _ = run_embedded_keeping_clients(
         config(tmp_path, 'ditto', steps=8, local_compute='matched', relative_cost=4.0))
@@ -103,6 +105,7 @@ def test_an_undeclared_method_is_measured_under_matched(tmp_path):
     assert len(proc.step_phases) == STEPS
 
 
+@pytest.mark.slow
 def test_rows_carry_the_rounds_flops(tmp_path):
     """local_flops = each phase's first step, counted as it ran, × the phase's steps."""
     results, clients = run_embedded_keeping_clients(config(tmp_path, 'ditto'))

@@ -42,6 +42,7 @@ def test_every_shipped_yaml_validates(path):
     assert cfg.fsplug.method in all_methods()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('path', CLIENT_FILES)
 def test_every_shipped_client_file_validates_against_its_base(path):
     base, opts = client_file_base(path)

@@ -23,6 +23,7 @@ def _read(path):
         return yaml.safe_load(handle) or {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('yaml_path', fuzzed_yamls())
 def test_every_broken_variant_of_a_shipped_yaml_ends_in_a_clean_error(tmp_path, yaml_path,
                                                                      monkeypatch):
@@ -45,6 +46,7 @@ def in_order_within(part: list[str], whole: list[str]) -> bool:
     return all(any(line == other for other in lines) for line in part)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('yaml_path', [p for p in fuzzed_yamls() if p.endswith(os.sep + 'tiny.yaml')])
 def test_the_precheck_reports_each_mistake_it_can_as_the_full_check_does(tmp_path, yaml_path,
                                                                          monkeypatch):

@@ -55,6 +55,7 @@ def test_pooled_tests_refuse_per_client_test_options(tmp_path, other):
                  *extra)
 
 
+@pytest.mark.slow
 def test_image_only_clients_are_scored_per_test_modality(tmp_path):
     """Table 1's setting: the one image client trains, is tested on image, audio and image +
     audio records, each scored apart; the whole set's token metrics are their sums."""
@@ -93,6 +94,7 @@ def test_image_only_clients_are_scored_per_test_modality(tmp_path):
         header.index('image avg_loss')   # the paper's order: Acc, generation metrics, loss
 
 
+@pytest.mark.slow
 def test_a_text_model_has_no_modality_columns(tmp_path):
     from helpers import tiny_config, write_yaml
 

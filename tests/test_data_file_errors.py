@@ -236,8 +236,8 @@ def test_a_data_file_error_is_a_config_error_with_its_own_heading():
     assert ConfigError('x').report() == 'fs-plugins: config error:\n  x'
 
 
+@pytest.mark.fs
 def test_federatedscopes_error_report_prints_it_without_a_traceback():
-    pytest.importorskip('federatedscope')
     code = ('from fs_plugins.fs.config import install_error_report\n'
             'from fs_plugins.core.errors import DataFileError\n'
             'install_error_report()\n'
@@ -263,11 +263,13 @@ def run_cli(tmp_path, data_lines: str, **updates) -> subprocess.CompletedProcess
     return done
 
 
+@pytest.mark.slow
 def test_cli_run_refuses_a_malformed_line(tmp_path):
     done = run_cli(tmp_path, f'{GOOD_LINE}\n{GOOD_LINE}\n{{"instruction": "x",\n')
     assert 'line 3: not valid JSON' in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_cli_run_refuses_fewer_records_than_clients(tmp_path):
     done = run_cli(tmp_path, f'{GOOD_LINE}\n{GOOD_LINE}\n', federate={'client_num': 4})
     assert 'federate.client_num = 4' in done.stderr, done.stderr

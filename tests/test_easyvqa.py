@@ -54,6 +54,7 @@ def test_image_labels_need_both_shape_and_colour():
     assert labels == {4: {'shape': 'circle', 'colour': 'teal'}}
 
 
+@pytest.mark.slow
 def test_vision_tower_pretraining_learns_held_out_shapes_and_colours():
     """Two epochs lift joint shape+colour accuracy on the unseen test images well above
     chance (1/24); the full setup runs 30 epochs."""

@@ -21,6 +21,7 @@ def _rows(results, kind):
     return [r for r in results.rows if r['kind'] == kind]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method', ['fedavg', 'standalone'])
 def test_results_files_and_table(tmp_path, method, capsys):
     results = _run(tmp_path, method)
@@ -49,6 +50,7 @@ def test_results_files_and_table(tmp_path, method, capsys):
     assert info['runner'] == 'embedded' and info['method'] == method
 
 
+@pytest.mark.slow
 def test_fedavg_communicates_lora_and_syncs_clients(tmp_path):
     results = _run(tmp_path, 'fedavg')
     train = _rows(results, 'train')
@@ -58,6 +60,7 @@ def test_fedavg_communicates_lora_and_syncs_clients(tmp_path):
     assert all(r['bytes_down'] == 4 * lora_numel for r in train)
 
 
+@pytest.mark.slow
 def test_standalone_sends_nothing_and_clients_diverge(tmp_path):
     from helpers import run_embedded_keeping_clients
     # the same run as _run(tmp_path, 'standalone'), keeping the clients to inspect them
@@ -86,6 +89,7 @@ def test_standalone_sends_nothing_and_clients_diverge(tmp_path):
                     assert not torch.allclose(clients[i].params[key], clients[j].params[key]), (i, j, key)
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers_other_seed_differs(tmp_path):
     a = untimed_rows(_rows(_run(tmp_path / 'a', 'fedavg'), 'eval'))
     b = untimed_rows(_rows(_run(tmp_path / 'b', 'fedavg'), 'eval'))
@@ -94,6 +98,7 @@ def test_same_seed_same_numbers_other_seed_differs(tmp_path):
     assert [r['test_avg_loss'] for r in a] != [r['test_avg_loss'] for r in c]
 
 
+@pytest.mark.slow
 def test_lora_dropout_is_seeded(tmp_path):
     """Dropout draws from torch's global generator, which the client reseeds every round."""
     dropout = {'fsplug': {'model': {'lora': {'dropout': 0.3}}}}
@@ -103,11 +108,13 @@ def test_lora_dropout_is_seeded(tmp_path):
     assert a == b
 
 
+@pytest.mark.slow
 def test_eval_freq_and_final_eval(tmp_path):
     results = _run(tmp_path, 'fedavg', rounds=3, eval={'freq': 2})
     assert sorted({r['round'] for r in _rows(results, 'eval')}) == [1, 2]
 
 
+@pytest.mark.slow
 def test_partial_participation_is_seeded(tmp_path):
     a = _run(tmp_path / 'a', 'fedavg', rounds=3, federate={'sample_client_num': 2})
     b = _run(tmp_path / 'b', 'fedavg', rounds=3, federate={'sample_client_num': 2})

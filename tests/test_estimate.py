@@ -81,6 +81,7 @@ def test_cli_prints_one_row_per_client(tmp_path, capsys):
     assert cli_main(['estimate', '--cfg', tiny_yaml_of('fedavg'), 'fsplug.nope', '1']) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.access('/proc/self/clear_refs', os.W_OK),
                     reason='measures peak RSS through /proc/self/clear_refs (Linux)')
 def test_estimate_is_near_the_measured_cpu_peak():
@@ -150,6 +151,7 @@ def test_setup_installs_the_architectures():
         assert "'fs_plugins.models': ['architectures/*.json']" in handle.read()
 
 
+@pytest.mark.slow
 def test_paper_yaml_estimates_offline_in_seconds():
     """yamls/flame/alpagasus_flame.yaml (OLMoE-1B-7B from the hub id) with the hub off: the
     architecture ships, nothing is fetched; parameters and communication without the
@@ -233,6 +235,7 @@ FEDMOSAIC_PAPER_SIZES = ['fsplug.model.builder', 'causal_lm', 'model.type', 'met
                          'fsplug.fedmosaic.pivot_model_type', 'meta-llama/Llama-3.2-1B@fsplug_llm']
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('gradient_layer, expected', [('last_down_proj', 0.894), ('lm_head', 1.400)])
 def test_fedmosaic_bytes_at_the_paper_sizes_match_a9(gradient_layer, expected):
     """A.9: FedMosaic sends 10.9 % less than FedAvg-LoRA (ratio 0.891): with RELA's gradient on

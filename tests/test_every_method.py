@@ -1,6 +1,6 @@
 """Every registered method, found through the registry (a new method is covered without
-editing a list): its tiny YAML runs one round in the embedded runner, in float32 and over a
-bfloat16 base with float32 trainable tensors."""
+editing a list): its tiny YAML runs in the embedded runner, in float32 (its shared reference
+run) and over a bfloat16 base with float32 trainable tensors (one round)."""
 import math
 
 import pytest
@@ -24,17 +24,31 @@ def test_the_registry_finds_the_package_methods():
     assert {'fedavg', 'standalone', 'fedmole', 'flame', 'toy_phased'} <= set(METHODS)
 
 
+def fast_for(method: str) -> list:
+    """fedavg's run is the fast tier's one end-to-end run of the embedded runner; the other
+    methods' are in the slow tier."""
+    return [] if method == 'fedavg' else [pytest.mark.slow]
+
+
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-@pytest.mark.parametrize('method', METHODS)
-def test_tiny_yaml_runs_one_round(tmp_path, method, dtype):
-    cfg = load_config(tiny_yaml_of(method), [
-        'federate.total_round_num', '1', 'train.local_update_steps', '2',
-        'data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp'),
-        'fsplug.results_dir', str(tmp_path / 'results'), 'fsplug.model.dtype', dtype])
+@pytest.mark.parametrize('method', [pytest.param(m, marks=fast_for(m)) for m in METHODS])
+def test_tiny_yaml_runs(tmp_path, reference_runs, method, dtype):
+    """float32: the method's reference run (tests/shared_runs.py, its last round); bfloat16:
+    one round of its own."""
+    if dtype == 'float32':
+        reference = reference_runs.of(method)
+        results, clients, cfg = reference.results, reference.clients, reference.server.cfg
+        last = cfg.federate.total_round_num - 1
+    else:
+        cfg = load_config(tiny_yaml_of(method), [
+            'federate.total_round_num', '1', 'train.local_update_steps', '2',
+            'data.root', str(tmp_path / 'data'), 'outdir', str(tmp_path / 'exp'),
+            'fsplug.results_dir', str(tmp_path / 'results'), 'fsplug.model.dtype', dtype])
+        results, clients = run_embedded_keeping_clients(cfg)
+        last = 0
     assert cfg.fsplug.method == method
-    results, clients = run_embedded_keeping_clients(cfg)
-    train = [r for r in results.rows if r['kind'] == 'train']
-    evals = [r for r in results.rows if r['kind'] == 'eval']
+    train = [r for r in results.rows if r['kind'] == 'train' and r['round'] == last]
+    evals = [r for r in results.rows if r['kind'] == 'eval' and r['round'] == last]
     assert len(train) == cfg.federate.sample_client_num and len(evals) == cfg.federate.client_num
     # one local pass of 2 steps per phase ('each' phases: Fed-MoLE's ADA runs two)
     steps = {cid: sum(p.steps for p in proc.method.phases(2, proc.cfg))

@@ -156,6 +156,7 @@ def test_the_public_loop_hands_each_batch_its_rows_and_restores_the_frozen_flags
     assert all(torch.equal(trained[n], again[n]) for n in lora)
 
 
+@pytest.mark.slow
 def test_heterogeneous_clients_learn_through_the_server_model(tmp_path):
     """Clients 3-4 on the larger tiny Llama, 1-2 (and the server) on the run's: every client
     trains, and each architecture's adapter goes back to its own clients."""

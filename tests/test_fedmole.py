@@ -217,6 +217,7 @@ def test_upload_is_the_fedavg_lora_payload(tmp_path):
     assert sum(t.numel() * t.element_size() for t in sent.values()) == 4 * FEDAVG_NUMEL
 
 
+@pytest.mark.slow
 def test_routed_experts_and_routers_stay_local_across_rounds(tmp_path, monkeypatch):
     """Receiving the global state leaves routed experts and routers as the client left them
     (and loads the shared experts); the next round starts from them."""
@@ -265,6 +266,7 @@ def test_routed_experts_and_routers_stay_local_across_rounds(tmp_path, monkeypat
 
 
 # ----------------------------------------------------------------------------- ablations
+@pytest.mark.slow
 @pytest.mark.parametrize('aggregate,uploaded', [
     ('shared', FEDAVG_NUMEL),                                           # paper
     ('all', FEDAVG_NUMEL + routed_numel(8) + router_numel(8)),          # M1

@@ -262,6 +262,7 @@ def test_rela_gradient_of_an_accumulated_step_is_the_whole_batch_gradient(order)
     torch.testing.assert_close(rela.end_round(), torch.full((4,), (1.0 + 12.0) / 4))
 
 
+@pytest.mark.slow
 def test_heterogeneous_run_trains_gates_and_fills_the_global_modules(hetero_run):
     cfg, results, clients = hetero_run
     evals = [r for r in results.rows if r['kind'] == 'eval']

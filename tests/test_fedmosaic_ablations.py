@@ -196,6 +196,7 @@ def _factors(built):
             for n, key in built.model.fedmosaic_pq.items()}
 
 
+@pytest.mark.slow
 def test_alignment_parts_switch_off_alone(tmp_path):
     """Table 32: 'Random' A or B is the random orthonormal start; the other part is aligned
     as in the default (A's fit does not depend on B; B's CCA uses whichever A)."""
@@ -216,6 +217,7 @@ def test_alignment_parts_switch_off_alone(tmp_path):
 
 
 # ------------------------------------------------------------------ end to end
+@pytest.mark.slow
 @pytest.mark.parametrize('opts', [
     ('fsplug.fedmosaic.rela_model', 'training', 'fsplug.fedmosaic.ema_ratio', '1.0'),
     ('fsplug.fedmosaic.small_model_type', LARGE, 'fsplug.fedmosaic.small_quantization', '4bit',
@@ -260,6 +262,7 @@ def test_local_only_layers_are_base_plus_the_local_module(tmp_path):
     assert method.shared_tensors(built.model, built.trainable_names) == {}
 
 
+@pytest.mark.slow
 def test_local_only_run_sends_nothing_and_trains_p_q(tmp_path):
     cfg = _cfg(tmp_path, 'federate.total_round_num', '2', 'train.local_update_steps', '2',
                'fsplug.fedmosaic.local_only', 'True', 'fsplug.fedmosaic.num_blocks', '1')

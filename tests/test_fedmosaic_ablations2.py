@@ -4,7 +4,6 @@ against a generic solver and a 2-task closed form, W_s's own batches against enc
 records directly, and both run end to end on the tiny heterogeneous federation."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -107,6 +106,7 @@ def test_nbs_needs_rela_and_pq_lora(tmp_path):
         _cfg(tmp_path, 'fsplug.fedmosaic.aggregation', 'nbs', 'fsplug.fedmosaic.rela', 'False')
 
 
+@pytest.mark.slow
 def test_nbs_runs_end_to_end_with_one_global(tmp_path):
     cfg = _cfg(tmp_path, 'federate.total_round_num', '2', 'train.local_update_steps', '2',
                'fsplug.fedmosaic.aggregation', 'nbs', 'fsplug.fedmosaic.alignment_samples', '8')
@@ -192,6 +192,7 @@ def test_a_batch_that_is_no_training_record_is_refused(tmp_path):
         RecordIndex(records, codec, 'client 1').records_of(batch)
 
 
+@pytest.mark.slow
 def test_ws_with_another_tokenizer_runs_end_to_end(tmp_path):
     cfg = _other_ws_cfg(tmp_path, 'federate.total_round_num', '1', 'train.local_update_steps', '2',
                         'fsplug.fedmosaic.gradient_every', '1', 'fsplug.fedmosaic.alignment_samples', '8',
@@ -260,8 +261,7 @@ def test_clients_of_another_tokenizer_than_the_pivot_run_end_to_end(tmp_path):
 
 
 # ------------------------------------------------------------------ through FederatedScope
-@pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                    reason='FederatedScope is not installed')
+@pytest.mark.fs
 @pytest.mark.parametrize('variant', ['nbs', 'other_tokenizer_ws'])
 def test_fs_standalone_gives_the_embedded_numbers(tmp_path, variant):
     """Both comparisons through FS standalone (clients on two model sizes): NBS's server state

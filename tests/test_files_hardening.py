@@ -40,6 +40,7 @@ def _crafted_run(folder, marker, modules=('evil_mod',), shadows=('peft',)):
     return str(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('command', [['export'], ['predict', '--input', 'q.jsonl'],
                                      ['eval', '--data', 'q.jsonl']])
 def test_a_crafted_run_folder_runs_no_code_from_the_command_line(tmp_path, command):

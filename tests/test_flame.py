@@ -519,6 +519,7 @@ def test_paper_placement_parameter_counts_match_table1_formula(kv_heads):
         assert lora_parameter_counts(model, k) == paper_counts(dims, R, k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method', ['flame', 'hetlora_experts', 'flexlora_experts'])
 def test_paper_placement_runs_and_aggregates_per_expert(tmp_path, method):
     """One embedded round on the tiny OLMoE with separate gate / up / down expert LoRA: the

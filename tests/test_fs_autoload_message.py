@@ -102,6 +102,7 @@ def _python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.fs
 @needs_fs_on_modern_protobuf
 @pytest.mark.skipif(not AUTOLOAD_PTH_INSTALLED,
                     reason='fs_plugins_autoload.pth is not installed for this interpreter')
@@ -117,6 +118,7 @@ def test_fs_without_autoload_says_what_to_do(tmp_path):
     assert autoload.DESCRIPTOR_ERROR in proc.stderr   # protobuf's own error, chained above it
 
 
+@pytest.mark.fs
 @needs_fs_on_modern_protobuf
 def test_each_way_out_works(tmp_path):
     import_pb2 = ('import fs_plugins.fs.autoload as a;{}'

@@ -1,18 +1,14 @@
 """A --client_cfg file under FederatedScope: a client it leaves out, or sets to null, runs the
 run's config (as FS's FedRunner treats it); an entry that is not a mapping is refused, naming
 the file and the client."""
-import importlib.util
 
 import pytest
 from helpers import tiny_config, write_yaml
 
 from fs_plugins.schema.loading import client_entry_problems
 
-needs_fs = pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                              reason='FederatedScope is not installed')
 
-
-@needs_fs
+@pytest.mark.fs
 def test_a_client_without_an_entry_keeps_the_run_config(tmp_path):
     """FS's runner merges client_cfgs.get('client_<id>'), None for a client left out."""
     from federatedscope.core.configs.config import global_cfg
@@ -34,7 +30,7 @@ def test_an_entry_that_is_not_a_mapping_names_the_file_and_the_client():
         "run's config)"]
 
 
-@needs_fs
+@pytest.mark.fs
 def test_fs_run_with_entries_for_some_clients_gives_the_embedded_numbers(tmp_path):
     """Client 1 alone has an entry (client 2's is null, 3 and 4 have none): FS standalone runs
     and gives the numbers of the embedded runner, which leaves the others on the run's config."""

@@ -2,7 +2,6 @@
 whole-federation checkpoints and resume under FS, a client killed and restarted mid-round,
 a rogue client's pickled payloads, and a message over 100 MB through FS's gRPC. Skipped, with
 the reason, where FederatedScope (and its gRPC) is not installed."""
-import importlib.util
 import json
 import os
 import signal
@@ -17,9 +16,7 @@ from helpers import TESTS_DIR, env_with_tests, tiny_config, untimed_rows, write_
 from fs_plugins.commands.launch import LocalFederation, party_command
 from fs_plugins.run.checkpoint import party_path
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec('federatedscope') is None or importlib.util.find_spec('grpc') is None,
-    reason='FederatedScope (with grpcio) is not installed (install its llm branch, see README)')
+pytestmark = pytest.mark.fs   # the fs tier: skipped, with the reason, without FederatedScope
 
 _env = env_with_tests
 

@@ -1,7 +1,6 @@
 """train.is_enable_half through FS: FS-LLM's trainer would `ctx.model.half()` the whole model;
 the plugin's trainer leaves the precision to the builder, so the frozen base is float16
 (fsplug.model.dtype) while every trainable tensor and every upload stays float32."""
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +12,7 @@ from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import get_method_class
 from fs_plugins.run.config import load_config
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                                reason='FederatedScope is not installed')
+pytestmark = pytest.mark.fs   # the fs tier: skipped, with the reason, without FederatedScope
 
 
 def test_half_keeps_trainables_and_uploads_float32_over_a_float16_base(tmp_path):

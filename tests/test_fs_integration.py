@@ -1,7 +1,6 @@
 """Runs through real FederatedScope (`python federatedscope/main.py`) when it is importable:
 standalone and distributed (127.0.0.1), each compared number for number with the embedded
 runner. Skipped, with the reason, on machines without FederatedScope."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,9 +25,7 @@ from fs_plugins.methods.registry import all_methods
 from fs_plugins.run.config import load_config
 from fs_plugins.sim.runner import run_embedded
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec('federatedscope') is None,
-    reason='FederatedScope is not installed (install its llm branch to run these, see README)')
+pytestmark = pytest.mark.fs   # the fs tier: skipped, with the reason, without FederatedScope
 
 TOY = {'fsplug': {'import_modules': ['toy_methods'], 'toy_phased': {'first_phase_steps': 1}}}
 

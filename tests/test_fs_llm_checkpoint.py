@@ -11,6 +11,7 @@ import torch
 from helpers import deep_update, env_with_tests, tiny_config, write_yaml
 
 pytest.importorskip('federatedscope')
+pytestmark = pytest.mark.fs   # the fs tier
 
 from fs_plugins.fs import fs_llm_checkpoint as ckpt_mod  # noqa: E402
 

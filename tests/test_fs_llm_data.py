@@ -223,8 +223,8 @@ def test_a_null_input_takes_the_with_input_template_as_in_fs_llm():
     assert format_prompt(record, 'alpaca') == NO_INPUT + '\n'
 
 
+@pytest.mark.fs
 def test_prompt_bytes_match_fs_llms_prompt_dict():
-    pytest.importorskip('federatedscope')
     from federatedscope.llm.dataset.llm_dataset import PROMPT_DICT
 
     from fs_plugins.data.instruction import FS_LLM_NO_INPUT, FS_LLM_WITH_INPUT
@@ -331,8 +331,8 @@ def test_gsm8k_download_is_renamed_as_fs_llm_does(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ FS's own loaders agree
 @pytest.mark.parametrize('name', ['alpaca', 'alpaca_cleaned', 'dolly-15k', 'gsm8k',
                                   'rosetta_alpaca', 'mine.json', 'mine.jsonl'])
+@pytest.mark.fs
 def test_fs_readers_and_the_plugins_give_the_same_records(data_root, monkeypatch, name):
-    pytest.importorskip('federatedscope')
     items = [{'instruction': 'i', 'output': 'o'}, {'instruction': 'j', 'input': 'x', 'output': 'p'}]
     write_json(data_root / 'mine.json', items)
     write_jsonl(data_root / 'mine.jsonl', items)
@@ -341,8 +341,8 @@ def test_fs_readers_and_the_plugins_give_the_same_records(data_root, monkeypatch
     assert load(name, data_root, splitter='meta') == with_fs
 
 
+@pytest.mark.fs
 def test_fs_downloader_is_used_with_a_timeout(tmp_path, monkeypatch):
-    pytest.importorskip('federatedscope')
     import socket
 
     import federatedscope.core.data.utils as fs_utils

@@ -30,7 +30,6 @@ from fs_plugins.schema.plugin import PluginOptions
 from fs_plugins.schema.validate import fs_defaults
 
 HAVE_FS = importlib.util.find_spec('federatedscope') is not None
-needs_fs = pytest.mark.skipif(not HAVE_FS, reason='FederatedScope is not installed (its llm branch)')
 RECORDED = os.path.join(REPO, 'tests', 'data', 'fs_config_keys.txt')
 TINY_YAML = os.path.join(REPO, 'yamls', 'fedavg', 'tiny.yaml')
 LORA_ARGS = {'adapter_package': 'peft', 'adapter_method': 'lora', 'r': 8, 'lora_alpha': 16,
@@ -63,7 +62,7 @@ def test_every_fs_key_is_classified():
     assert not unclassified, f'FS keys in no class of fs_plugins.schema.fs_llm.FS_KEYS: {unclassified}'
 
 
-@needs_fs
+@pytest.mark.fs
 def test_recorded_keys_are_fs_own_tree():
     assert recorded_keys() == fs_tree_keys(), 'stale: run scripts/record_fs_keys.py with FS\'s Python'
 
@@ -357,7 +356,7 @@ def fs_llm_config(name: str, *opts):
     return cfg
 
 
-@needs_fs
+@pytest.mark.fs
 @pytest.mark.parametrize('name', sorted(FS_LLM_BASELINES))
 def test_fs_llm_baseline_yaml_passes_with_only_the_method_added(name):
     cfg = fs_llm_config(name)
@@ -371,7 +370,7 @@ def test_fs_llm_baseline_yaml_passes_with_only_the_method_added(name):
         assert (lora.r, lora.alpha, lora.dropout, cfg.fsplug.model.dtype) == (8, 16, 0.05, 'float16')
 
 
-@needs_fs
+@pytest.mark.fs
 def test_fs_refuses_and_later_merges_override_mapped_values():
     with pytest.raises(ConfigError, match='llm.offsite_tuning.use is not supported'):
         fs_llm_config('exp_yaml/alpaca/alpaca_federate.yaml', 'llm.offsite_tuning.use', 'True')
@@ -386,7 +385,7 @@ def test_fs_refuses_and_later_merges_override_mapped_values():
     assert client.federate.share_local_model is True
 
 
-@needs_fs
+@pytest.mark.fs
 def test_an_fs_llm_named_fs_run_with_shared_local_model_gives_the_embedded_numbers(tmp_path):
     """Through FS's main.py: FS-LLM's names and federate.share_local_model: True (FS's runner
     then hands every client the server's model object, which fsplug clients do not use: each
@@ -411,7 +410,7 @@ def test_an_fs_llm_named_fs_run_with_shared_local_model_gives_the_embedded_numbe
     assert_same_numbers(rows, _embedded_rows(tmp_path, cfg))
 
 
-@needs_fs
+@pytest.mark.fs
 def test_fs_early_stopping_stops_the_plugins_server(tmp_path):
     """early_stop.* is honoured: FS's server stops the federation when the best-result key has
     not improved (here: by more than delta) for `patience` evaluations."""

@@ -4,7 +4,6 @@ files in their own layouts and the tiny model instead of LLaMA-7B (docs/fs_llm.m
 
 The shipped yamls/fs_llm/ files are FS-LLM's YAMLs unchanged plus the docs page's one-line
 addition, checked against the FS installed here. Skipped, with the reason, without FS."""
-import importlib.util
 import json
 import os
 import re
@@ -16,9 +15,7 @@ import torch
 import yaml
 from helpers import FS_ONLY_YAMLS, REPO, env_with_tests
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec('federatedscope') is None,
-    reason='FederatedScope is not installed (install its llm branch to run these, see README)')
+pytestmark = pytest.mark.fs   # the fs tier: skipped, with the reason, without FederatedScope
 
 DOCS_PAGE = os.path.join(REPO, 'docs', 'fs_llm.md')
 SHIPPED = sorted(os.listdir(os.path.join(REPO, FS_ONLY_YAMLS)))

@@ -3,7 +3,6 @@ importing FS's config loads neither transformers nor peft, and a native run's sa
 config.yaml has no `fsplug` node, so it loads in FS without the plugin. A plugin config keeps
 its node. Each check runs in a fresh interpreter (this one has imported torch and
 transformers for other tests). Skipped, with the reason, on machines without FederatedScope."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,9 +11,7 @@ import pytest
 import yaml
 from helpers import env_with_tests, tiny_config, write_yaml
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec('federatedscope') is None,
-    reason='FederatedScope is not installed (install its llm branch to run these, see README)')
+pytestmark = pytest.mark.fs   # the fs tier: skipped, with the reason, without FederatedScope
 
 HEAVY = ('transformers', 'peft')
 

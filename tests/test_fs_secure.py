@@ -1,7 +1,6 @@
 """TLS and client authentication on FS's gRPC (fs_plugins.fs.secure), with certificates
 generated in the test, on 127.0.0.1. Skipped, with the reason, where FederatedScope (and its
 gRPC) is not installed."""
-import importlib.util
 import os
 
 import pytest
@@ -10,9 +9,7 @@ from fs_plugins.commands.credentials import make_credentials, party_distribute
 from fs_plugins.fs.ports import free_ports
 from fs_plugins.fs.secure import CredentialsRefused, party_comm_manager
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec('federatedscope') is None or importlib.util.find_spec('grpc') is None,
-    reason='FederatedScope (with grpcio) is not installed (install its llm branch, see README)')
+pytestmark = pytest.mark.fs   # the fs tier: skipped, with the reason, without FederatedScope
 
 
 @pytest.fixture(scope='module')

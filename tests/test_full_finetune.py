@@ -3,7 +3,6 @@
 FedAvg uploads and averages every weight, standalone sends nothing; saved models reload
 exactly; a quantised base and a model too large for its device are refused naming the key;
 `fs-plugins estimate` counts weights, gradients and AdamW state in float32."""
-import importlib.util
 
 import pytest
 import torch
@@ -155,8 +154,7 @@ def fs_config(tmp_path, **updates):
     return deep_update(cfg, FULL_FT)
 
 
-@pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                    reason='FederatedScope is not installed')
+@pytest.mark.fs
 def test_fs_standalone_matches_embedded(tmp_path):
     """Through FederatedScope standalone: the embedded runner's numbers (bytes: every weight in
     float32) and saved models."""
@@ -171,8 +169,7 @@ def test_fs_standalone_matches_embedded(tmp_path):
     assert len({r['bytes_up'] for r in fs_rows if r['kind'] == 'train'}) == 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                    reason='FederatedScope is not installed')
+@pytest.mark.fs
 def test_fs_distributed_matches_embedded(tmp_path):
     """Server + 2 clients over gRPC on 127.0.0.1: every weight travels in the plugin's wire
     format, the same numbers and saved models as the embedded runner."""

@@ -109,6 +109,7 @@ def test_server_averages_and_sends_the_global_update_direction(tmp_path):
         assert int(content[PERTURBATIONS_KEY]) == count
 
 
+@pytest.mark.slow
 def test_fwdllm_end_to_end_trains_without_backward(tmp_path):
     cfg = tiny_config(tmp_path, 'fwdllm', rounds=2, steps=2,
                       fsplug={'fwdllm': {'perturbations': 2, 'max_perturbations': 4}})

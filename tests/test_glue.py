@@ -164,6 +164,7 @@ def _spy_updates(monkeypatch):
     return captured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method', METHODS)
 def test_tiny_yaml_runs_and_keeps_the_head_local(tmp_path, monkeypatch, method):
     """Default fsplug.model.head local: the head trains on every client but is never uploaded,
@@ -237,6 +238,7 @@ def test_shared_head_is_uploaded_and_is_the_weighted_average(tmp_path, monkeypat
     assert not torch.equal(updates[0].shared[head[0]], updates[1].shared[head[0]])   # trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method', METHODS)
 def test_shared_head_runs_with_every_method(tmp_path, monkeypatch, method):
     captured = _spy_updates(monkeypatch)
@@ -324,6 +326,7 @@ def test_saved_client_model_reloads_with_its_head(tmp_path):
 
 
 # --------------------------------------------------------------------- grid
+@pytest.mark.slow
 def test_grid_dry_run_and_table(tmp_path):
     script = os.path.join(REPO, 'scripts', 'run_glue_grid.py')
     out = subprocess.run([sys.executable, script, 'run', '--dry-run', '--tasks', 'rte', '--seeds', '1',

@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip('federatedscope')
 grpc = pytest.importorskip('grpc')
+pytestmark = pytest.mark.fs   # the fs tier
 
 from fs_plugins.commands.credentials import make_credentials, party_distribute  # noqa: E402
 from fs_plugins.fs import secure  # noqa: E402

@@ -123,6 +123,7 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
+@pytest.mark.slow
 def test_shipped_distributed_configs_are_current():
     """yamls/<method>/distributed/ holds every registered method's tiny federation and every
     easyvqa one, generated (each file also loads in test_config), without building any data."""
@@ -142,6 +143,7 @@ def _gen_distributed():
     return gen_distributed
 
 
+@pytest.mark.slow
 def test_shipped_client_counts_are_the_splits(tmp_path, monkeypatch):
     """The client count the generator reads from each source's keys is the one its data split
     gives: each source's data is built (in tmp_path) and split, the speech of

@@ -18,6 +18,7 @@ from helpers import TESTS_DIR, env_with_tests, tiny_config, write_yaml
 pytest.importorskip('federatedscope', reason='FederatedScope is not installed (install its llm '
                                              'branch, see README)')
 pytest.importorskip('grpc', reason="FederatedScope's distributed mode needs grpcio")
+pytestmark = pytest.mark.fs   # the fs tier
 
 from federatedscope.core.message import Message  # noqa: E402
 

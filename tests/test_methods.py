@@ -124,6 +124,7 @@ def _naive_server_round(variant, x, m, v, avg, hp):
     return x2, m2, v2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method', ['fedadam', 'fedyogi', 'fedadagrad'])
 def test_server_optimisers_run_and_keep_moments(tmp_path, method):
     results, _ = run(tmp_path, method)
@@ -158,6 +159,7 @@ def test_server_optimisers_run_and_keep_moments(tmp_path, method):
     assert max(abs(a - b) for a, b in zip(x_fresh, x)) > 1e-3
 
 
+@pytest.mark.slow
 def test_scaffold_controls(tmp_path):
     results, clients = run(tmp_path, 'scaffold')
     proc = clients[1]
@@ -453,6 +455,7 @@ def test_frlora_server_sums_the_residual_product(tmp_path):
     assert torch.equal(content[MERGED + 'm.q_proj'], state['merged']['m.q_proj'])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('freeze_a', [False, True])
 def test_frlora_clients_reset_to_the_principal_start(tmp_path, monkeypatch, freeze_a):
     from fs_plugins.methods.frlora import FRLoRA

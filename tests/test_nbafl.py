@@ -2,7 +2,6 @@
 references; the noise measured on what clients upload and on what the server broadcasts in
 tiny embedded runs; the frozen base untouched; the same seed giving the same numbers; and
 through FS standalone, the upload the server receives."""
-import importlib.util
 import math
 import os
 import pathlib
@@ -209,8 +208,6 @@ def test_same_seed_gives_the_same_noise(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ through FS
-needs_fs = pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                              reason='FederatedScope is not installed')
 
 
 def run_fs_probed(tmp_path: pathlib.Path, cfg: dict):
@@ -228,7 +225,7 @@ def run_fs_probed(tmp_path: pathlib.Path, cfg: dict):
     return proc, {f[:-3]: torch.load(probe / f) for f in os.listdir(probe)}
 
 
-@needs_fs
+@pytest.mark.fs
 def test_fs_server_receives_noised_uploads_and_the_base_is_untouched(tmp_path):
     plain = load_config(write_yaml(tmp_path / 'plain.yaml', tiny_config(
         tmp_path, 'fedavg', rounds=2, steps=1, nbafl={'use': True})))

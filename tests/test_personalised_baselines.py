@@ -50,6 +50,7 @@ def test_ditto_personal_adapter_starts_as_the_global_one(tmp_path):
         torch.equal(p, proc.params[n.replace('.personal.', '.default.')]) for n, p in personal.items())
 
 
+@pytest.mark.slow
 def test_ditto_trains_global_then_personal_and_evaluates_the_personal_model(tmp_path):
     results, clients = run(tmp_path, 'ditto')
     proc = clients[1]
@@ -84,6 +85,7 @@ def test_ditto_loss_adds_the_proximal_term_to_the_received_global(tmp_path):
     assert torch.equal(proc.method.loss(proc.model, batch, proc.state), proc.model(**batch).loss)
 
 
+@pytest.mark.slow
 def test_fedsim_trains_both_adapters_together_and_sends_the_shared_one(tmp_path):
     results, clients = run(tmp_path, 'fedsim')
     proc = clients[1]
@@ -113,6 +115,7 @@ def test_feddat_distillation_loss_matches_the_naive_formula():
     assert torch.allclose(distillation_loss(student, teacher, labels, T), expected, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_feddat_alternates_student_and_teacher_steps_and_sends_the_shared_adapter(tmp_path):
     results, clients = run(tmp_path, 'feddat')
     proc = clients[1]
@@ -149,6 +152,7 @@ def test_feddat_receive_refreshes_the_frozen_global_copy_and_the_loss_distils(tm
     assert proc.model.base_model.active_adapters == ['default']
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method, personal_adapters', [
     ('ditto', ('personal',)), ('fedsim', ('local',)), ('feddpa', ('local',)),
     ('feddat', ('dat_local', 'dat_global')), ('perada', ('personal',))])
@@ -298,6 +302,7 @@ CROSS_FAMILY = {f'client_{i}': {'model': {'type': 'tiny-olmo@fsplug_llm'},
                                 'fsplug': {'model': {'builder': 'tiny_olmo'}}} for i in (3, 4)}
 
 
+@pytest.mark.slow
 def test_perada_distils_across_model_families(tmp_path, monkeypatch):
     """One teacher from all four clients' logits (each on its own family's model); each family's
     averaged global adapter is distilled towards it; each client gets its family's adapter."""

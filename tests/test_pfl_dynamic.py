@@ -57,6 +57,7 @@ def _dynamic_cfg(tmp_path, rounds=4, *opts):
         'fsplug.data.task_order', 'rotated', 'fsplug.data.evaluate_others', 'True', *opts])
 
 
+@pytest.mark.slow
 def test_dynamic_run_fills_memory_and_follows_the_tasks(tmp_path):
     cfg = _dynamic_cfg(tmp_path)
     results, clients = run_embedded_keeping_clients(cfg)

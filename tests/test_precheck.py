@@ -20,6 +20,7 @@ from fs_plugins.run.config import load_config
 from fs_plugins.schema import method_index
 from fs_plugins.schema import precheck as pre
 from fs_plugins.schema.options import describe
+from fs_plugins.schema.validate import fs_defaults
 
 REGENERATE = 'python scripts/gen_reference.py'
 
@@ -136,9 +137,55 @@ def test_keys_a_module_to_import_may_register_pass(tmp_path):
         ['command line: fsplug.model.lora.r = 0: must be >= 1']
 
 
+def test_under_federatedscope_its_own_keys_come_from_its_sources(tmp_path, monkeypatch):
+    """Under FS the pre-check knows FS's keys from FS's config modules, read with `ast` (a
+    misspelt FS key fails before the imports, as with the embedded runner); where those cannot
+    be read, FS's keys are left to FS. FS's merges name no source."""
+    fs_key = write_yaml(tmp_path / 'fs_key.yaml', tiny_config(tmp_path, federate={'master_port': 5}))
+    typo = write_yaml(tmp_path / 'typo.yaml', tiny_config(tmp_path, federate={'master_prot': 5}))
+    def tree_of(values):
+        return {k: tree_of(v) if isinstance(v, dict) else None for k, v in values.items()}
+    tree = tree_of(fs_defaults())
+    tree['federate']['master_port'] = None
+    monkeypatch.setattr(pre, 'fs_source_key_tree', lambda: tree)
+    assert problems_of(pre.precheck, fs_key, fs=True) == []
+    assert problems_of(pre.precheck, typo, fs=True) == [
+        "Unknown config key 'federate.master_prot'. Did you mean 'federate.master_port'? "
+        f"Allowed keys under 'federate': {', '.join(sorted(tree['federate']))}"]
+    monkeypatch.setattr(pre, 'fs_source_key_tree', lambda: None)
+    assert problems_of(pre.precheck, typo, fs=True) == []
+
+
+def test_fs_key_tree_of_config_sources(tmp_path):
+    """`cfg.a.b = value` statements build the tree; CN(new_allowed=True) marks an open node."""
+    from fs_plugins.schema.fs_source_keys import key_tree_of_sources
+    source = tmp_path / 'cfg_x.py'
+    source.write_text('def extend(cfg):\n    cfg.train = CN()\n    cfg.train.lr = 0.1\n'
+                      '    cfg.train.optimizer = CN(new_allowed=True)\n    cfg.outdir = "exp"\n'
+                      '    other.thing = 1\n')
+    assert key_tree_of_sources([str(source)]) == \
+        {'train': {'lr': None, 'optimizer': {'__open__': True}}, 'outdir': None}
+    assert key_tree_of_sources([str(tmp_path / 'missing.py')]) is None
+
+
+@pytest.mark.fs
+def test_the_installed_fs_key_tree_is_fs_own():
+    """The tree read from FS's sources is the one FS builds when imported."""
+    from federatedscope.core.configs.config import global_cfg
+
+    from fs_plugins.fs.config import fs_known_keys
+    from fs_plugins.schema.fs_source_keys import fs_source_key_tree
+    from fs_plugins.schema.options import FS_AUX_KEYS
+
+    def without_aux(tree):
+        return {k: without_aux(v) if isinstance(v, dict) else v for k, v in tree.items()
+                if k not in FS_AUX_KEYS}
+    assert fs_source_key_tree() == without_aux(fs_known_keys(global_cfg))
+
+
 def test_under_federatedscope_only_the_plugins_keys_are_checked(tmp_path):
-    """FS knows its own keys (and says so after the imports); its merges name no source."""
-    path = write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, federate={'fs_only_key': 1}))
+    """FS's merges name no source; an FS key the plugin does not read passes."""
+    path = write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, federate={'master_port': 1}))
     assert problems_of(pre.precheck, path, fs=True) == []
     assert problems_of(pre.precheck, path, ['fsplug.model.lora.alpah', '4'], fs=True) == \
         ["Unknown config key 'fsplug.model.lora.alpah'. Did you mean 'fsplug.model.lora.alpha'? "

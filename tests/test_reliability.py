@@ -65,29 +65,94 @@ def read_rows(folder, name='results.jsonl') -> list[dict]:
     return [json.loads(line) for line in read(folder, name).splitlines()]
 
 
-@pytest.mark.parametrize('method', METHODS)
-def test_a_run_stopped_and_resumed_ends_with_the_same_results(tmp_path, monkeypatch, method):
+# full crash-and-resume on one method per kind of state a checkpoint must carry; every other
+# method gets the state round trip below (its whole checkpoint, read back, equals the live state)
+RESUMED_KINDS = {
+    'fedavg': 'the global adapter only',
+    'ditto': 'personalised adapters (a personal adapter beside the global one)',
+    'fedadam': "server state (the server optimiser's moments)",
+    'scaffold': 'extra payloads and client state (control variates)',
+    'flame': 'extra payloads (activation counts), per-client expert budgets',
+    'fedmole': 'phases (ADA: shared and routed phases)',
+    'fedmosaic': 'client state (gradient EMA, relevance), gated global modules',
+}
+
+
+def _method_params(fast: set) -> list:
+    return [pytest.param(m, marks=() if m in fast else pytest.mark.slow) for m in METHODS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('method', sorted(RESUMED_KINDS))
+def test_a_run_stopped_and_resumed_ends_with_the_same_results(tmp_path, monkeypatch,
+                                                              reference_runs, method):
     """Round 0 is checkpointed, round 1 fails while its checkpoint is written, the resumed run
-    repeats round 1: every results row equals the uninterrupted run's, byte for byte (the
-    first round also shows that the same YAML and seed give the same numbers). No honest
-    update is rejected by the server's checks."""
-    full = runner.run_embedded(tiny_cfg(tmp_path, method, 'full'))
-    assert not [r for r in full.rows if r['kind'] == 'rejected']   # no honest update refused
+    repeats round 1: every results row equals the uninterrupted run's (the method's reference
+    run, tests/shared_runs.py), byte for byte (the first round also shows that the same YAML
+    and seed give the same numbers). No honest update is rejected by the server's checks."""
+    import shared_runs
+    full = reference_runs.of(method)
+    assert not [r for r in full.results.rows if r['kind'] == 'rejected']   # no honest update refused
+    cut = str(tmp_path / 'cut')
     with monkeypatch.context() as patch:
         crash_in(patch, 'checkpoint', 1)   # after round 1's results rows
         with pytest.raises(InjectedFault):
-            runner.run_embedded(tiny_cfg(tmp_path, method, 'cut'))
-    cut = str(tmp_path / 'cut')
+            runner.run_embedded(shared_runs.load(method, cut, full.folder))
     assert checkpoint.latest_round(cut) == 0
-    runner.run_embedded(tiny_cfg(tmp_path, method, 'cut', 'fsplug.checkpoint.resume_from', cut))
+    runner.run_embedded(shared_runs.load(method, cut, full.folder, 'fsplug.checkpoint.resume_from', cut))
     for name in RESULT_FILES:
-        assert untimed_results_file(tmp_path / 'full', name) == untimed_results_file(cut, name), name
+        assert untimed_results_file(full.results_dir, name) == untimed_results_file(cut, name), name
     # the interrupted attempt's round-1 rows are kept aside, not lost
     superseded = read_rows(cut, 'results.superseded.jsonl')
     assert {(row['round'], row['kind']) for row in superseded} == {(1, 'train'), (1, 'eval'),
                                                                    (1, 'server')}
 
 
+@pytest.mark.parametrize('method', _method_params({'fedavg'}))
+def test_every_partys_checkpoint_holds_its_whole_state(reference_runs, method):
+    """The state round trip of every method: the reference run's last checkpoint, read back
+    into its parties' layout, equals what the server and each client hold at the end of the run
+    (parameters, method state, extra artifacts, batch stream); the server's random generators
+    are a well-formed state. No honest update was rejected."""
+    reference = reference_runs.of(method)
+    assert not [r for r in reference.results.rows if r['kind'] == 'rejected']
+    last = checkpoint.latest_round(reference.results_dir)
+    assert last == reference.server.cfg.federate.total_round_num - 1
+    for cid, client in reference.clients.items():
+        live = checkpoint.client_payload(client)
+        path = checkpoint.party_path(reference.results_dir, checkpoint.client_party(cid), last)
+        assert_same_state(checkpoint.read_party(path, live), live, f'client {cid}')
+    live = checkpoint.server_payload(reference.server)
+    path = checkpoint.party_path(reference.results_dir, 'server', last)
+    saved = checkpoint.read_party(path, live)
+    checkpoint.check_rng_state(saved.pop('rng'))
+    live.pop('rng')
+    assert_same_state(saved, live, 'server')
+
+
+def assert_same_state(saved, live, where: str) -> None:
+    """Equal nested state: tensors equal in dtype, shape and values; NaN equals NaN."""
+    if isinstance(live, torch.Tensor):
+        assert isinstance(saved, torch.Tensor) and saved.dtype == live.dtype, where
+        assert torch.equal(saved, live), where
+    elif isinstance(live, dict):
+        assert isinstance(saved, dict) and set(saved) == set(live), \
+            f'{where}: keys {sorted(map(str, saved))} != {sorted(map(str, live))}'
+        for key in live:
+            assert_same_state(saved[key], live[key], f'{where}.{key}')
+    elif isinstance(live, (list, tuple)):
+        assert isinstance(saved, (list, tuple)) and len(saved) == len(live), where
+        for i, (a, b) in enumerate(zip(saved, live)):
+            assert_same_state(a, b, f'{where}[{i}]')
+    elif isinstance(live, float) and math.isnan(live):
+        assert isinstance(saved, float) and math.isnan(saved), where
+    elif hasattr(live, 'state_dict'):   # objects restored in place (a batch stream)
+        assert_same_state(saved.state_dict(), live.state_dict(), where)
+    else:
+        assert saved == live, f'{where}: {saved!r} != {live!r}'
+
+
+@pytest.mark.slow
 def test_the_same_yaml_and_seed_give_identical_results_files(tmp_path):
     for name in ('first', 'second'):
         runner.run_embedded(tiny_cfg(tmp_path, 'flame', name, rounds=2))
@@ -96,6 +161,7 @@ def test_the_same_yaml_and_seed_give_identical_results_files(tmp_path):
             untimed_results_file(tmp_path / 'second', name), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('where', ['train', 'aggregate', 'checkpoint'])
 def test_a_fault_anywhere_in_a_round_leaves_a_checkpoint_to_resume(tmp_path, monkeypatch, where):
     runner.run_embedded(tiny_cfg(tmp_path, 'fedmole', 'full', rounds=3))
@@ -126,6 +192,7 @@ def test_resume_refuses_a_different_config_and_a_missing_checkpoint(tmp_path):
                                      str(tmp_path / 'nowhere')))
 
 
+@pytest.mark.slow
 def test_a_finished_run_resumed_with_more_rounds_continues_it(tmp_path):
     runner.run_embedded(tiny_cfg(tmp_path, 'fedavg', 'full', rounds=3))
     runner.run_embedded(tiny_cfg(tmp_path, 'fedavg', 'grown', rounds=2))

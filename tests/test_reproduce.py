@@ -107,6 +107,7 @@ def tiny_flame_table(tmp_path_factory):
     return out, argv
 
 
+@pytest.mark.slow
 def test_tiny_reproduce_prints_ours_beside_the_papers_and_resumes(tiny_flame_table, capsys,
                                                                  monkeypatch):
     out, argv = tiny_flame_table

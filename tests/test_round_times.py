@@ -3,7 +3,6 @@ server row per round (aggregate_s, encode_s, decode_s, round_s), and the summary
 the rounds' time (fs_plugins.run.results.time_split), in the embedded runner and FS standalone.
 No assertion depends on how fast this machine is: only on the clocks' nesting and on
 hand-made rows."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -35,6 +34,7 @@ def _read_rows(run_dir):
         return [json.loads(line) for line in handle]
 
 
+@pytest.mark.slow
 def test_embedded_rows_carry_the_times_and_the_summary_splits_them(tmp_path, capsys):
     rounds = 2
     cfg = load_config(write_yaml(tmp_path / 'c.yaml', tiny_config(tmp_path, 'fedavg', rounds=rounds)))
@@ -181,8 +181,7 @@ def test_an_update_carries_its_encoding_seconds(distributed):
             decode_update(3, 4, {**message, 'meta/encode_s': bad})
 
 
-@pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                    reason='FederatedScope is not installed (install its llm branch to run this)')
+@pytest.mark.fs
 def test_fs_standalone_rows_carry_the_embedded_runners_time_columns(tmp_path):
     import federatedscope
     cfg = tiny_config(tmp_path, 'fedavg', rounds=2)
@@ -212,6 +211,7 @@ def test_fs_standalone_rows_carry_the_embedded_runners_time_columns(tmp_path):
         assert fs_names == names | own, kind
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_one_server_row_per_round(tmp_path, monkeypatch):
     """The server row of a round is logged before its checkpoint counts the rows: a run that
     fails while writing round 1's checkpoint resumes from round 0's with round 0's server row,

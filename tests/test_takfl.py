@@ -2,7 +2,6 @@
 their task-arithmetic merge, the heuristic's candidate coefficients) against naive loops, its
 server on the tiny federation (one prototype, then clients on two model sizes), and the
 heterogeneous federation through FederatedScope standalone and distributed."""
-import importlib.util
 
 import numpy as np
 import pytest
@@ -26,8 +25,6 @@ from fs_plugins.methods.takfl import prototype_label
 SMALL_KD = {'kd_batch_size': 4, 'public_samples': 8, 'search_candidates': 2}
 # clients 3-4 on the larger tiny Llama; 1-2, without an entry, on the run's
 TWO_PROTOTYPES = {f'client_{i}': {'model': {'type': 'tiny-llama-large@fsplug_llm'}} for i in (3, 4)}
-needs_fs = pytest.mark.skipif(importlib.util.find_spec('federatedscope') is None,
-                              reason='FederatedScope is not installed')
 
 
 def test_group_by_prototype_keeps_each_prototypes_clients_in_order():
@@ -149,6 +146,7 @@ def test_task_weights_must_match_the_teacher_prototypes(tmp_path):
         method.aggregate(method.init_server_state(initial), updates)
 
 
+@pytest.mark.slow
 def test_two_prototypes_each_receive_their_own_merged_model(tmp_path):
     """Clients 3-4 on the larger tiny Llama, 1-2 on the run's: both prototypes are merged from
     two teachers, and every client trains and receives content of its own shapes."""
@@ -172,7 +170,7 @@ def fs_config(tmp_path, **updates):
     return cfg
 
 
-@needs_fs
+@pytest.mark.fs
 def test_fs_standalone_with_two_prototypes_matches_embedded(tmp_path):
     from test_fs_integration import (
         _embedded_rows,
@@ -190,7 +188,7 @@ def test_fs_standalone_with_two_prototypes_matches_embedded(tmp_path):
     assert_same_artifacts(str(tmp_path / 'fs'), str(tmp_path / 'embedded'))
 
 
-@needs_fs
+@pytest.mark.fs
 def test_fs_distributed_with_two_prototypes_matches_embedded(tmp_path):
     """Server + 2 client processes over gRPC, client 2 on the larger tiny Llama: the server
     distils between the two prototypes; same numbers and models as the embedded runner."""

@@ -63,6 +63,7 @@ def _openmp_settings(**env_changes) -> str:
     return done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_openmp_starts_passive_by_default_and_keeps_the_users_choice():
     import site
     if not any(os.path.exists(os.path.join(d, 'fs_plugins_autoload.pth'))

@@ -49,6 +49,7 @@ def _batch(proc, n=4):
     return batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['text', 'image'])
 def test_predict_and_eval_reproduce_the_final_evaluation(tmp_path, kind):
     if kind == 'text':
@@ -75,6 +76,7 @@ def test_predict_and_eval_reproduce_the_final_evaluation(tmp_path, kind):
     assert metrics[f'eval_{metric}'] == pytest.approx(final[f'test_{metric}'])
 
 
+@pytest.mark.slow
 def test_global_state_is_a_peft_adapter_folder_and_exports(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -102,6 +104,7 @@ def test_global_state_is_a_peft_adapter_folder_and_exports(tmp_path):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_split_olmoe_experts_merge_back_into_transformers_layout(tmp_path):
     """LoRA on the split gate/up expert tensors (FLAME's placement) under FedAvg: the merged
     export has transformers' fused gate_up_proj and the adapter model's logits."""
@@ -122,6 +125,7 @@ def test_split_olmoe_experts_merge_back_into_transformers_layout(tmp_path):
                  str(tmp_path / 'plain')]) == 2
 
 
+@pytest.mark.slow
 def test_a_client_folder_loads_without_the_servers_run_info(tmp_path):
     results, clients = _text_run(tmp_path, 'fedsa')
     alone = tmp_path / 'client_only'
@@ -131,6 +135,7 @@ def test_a_client_folder_loads_without_the_servers_run_info(tmp_path):
                                _logits(clients[3].model, batch))
 
 
+@pytest.mark.slow
 def test_bad_input_ends_in_one_line_naming_it(tmp_path, capsys):
     results, _ = _text_run(tmp_path)
     run_dir = results.out_dir

@@ -46,12 +46,17 @@ def assert_same_numbers(rows_a, rows_b, rel=2e-4, leave_out=()):
                 assert row_a[key] == pytest.approx(row_b[key], rel=rel, abs=1e-6), key
 
 
-@pytest.mark.parametrize('method', METHODS)
-def test_gradient_checkpointing_gives_the_same_run(tmp_path, method):
-    plain, _ = tiny_run(tmp_path / 'plain', method)
-    checkpointed, clients = tiny_run(tmp_path / 'checkpointed', method,
-                                     'fsplug.train.gradient_checkpointing', 'True')
-    assert_same_numbers(plain, checkpointed)
+@pytest.mark.parametrize('method', [pytest.param(m, marks=() if m == 'fedavg' else pytest.mark.slow)
+                                    for m in METHODS])
+def test_gradient_checkpointing_gives_the_same_run(tmp_path, reference_runs, method):
+    """The method's reference run (tests/shared_runs.py) again with gradient checkpointing."""
+    import shared_runs
+    plain = reference_runs.of(method)
+    checkpointed, clients = run_embedded_keeping_clients(shared_runs.load(
+        method, str(tmp_path / 'checkpointed'), plain.folder,
+        'fsplug.train.gradient_checkpointing', 'True'))
+    checkpointed = checkpointed.rows
+    assert_same_numbers(plain.results.rows, checkpointed)
     model = next(iter(clients.values())).model
     assert any(getattr(m, 'gradient_checkpointing', False) is True for m in model.modules())
 
@@ -93,6 +98,7 @@ def test_micro_batch_weights_make_the_mean_over_all_loss_terms():
     assert [w for _, w in micro_batch_weights([{'n': 0}, {'n': 0}], units)] == [0.5, 0.5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method', ['fedavg', 'fedmole', 'flame', 'fedmosaic', 'scaffold'])
 def test_two_micro_batches_of_two_train_like_one_batch_of_four(tmp_path, method):
     """grad.grad_accum_count 2 × batch 2 = batch 4: same trained adapters and metrics, and the

@@ -253,6 +253,7 @@ def test_without_the_imagebind_package_the_error_says_how_to_install(tmp_path, m
 
 
 # ------------------------------------------------------------------ a tiny UniFLoW run
+@pytest.mark.slow
 @pytest.mark.parametrize('method', ['uniflow', 'zero_shot'])
 def test_tiny_uniflow_runs_on_unibind_encoders(tmp_path, imagebind_package, method):
     """Image: a fine-tuned checkpoint (with UniBind's image head); audio: pretrained_weights.pt.

@@ -325,6 +325,7 @@ def test_easyvqa_image_audio_clients_hold_their_own_modalities(tmp_path):
     assert spoken == cfg   # every configured modality: the run's own config, the run's upload
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('aggregation', [a for a in AGGREGATIONS if a != 'fed_a2'])
 def test_every_aggregation_runs_the_encoder_llm(tmp_path, aggregation):
     cfg = uniflow_cfg(tmp_path, 'fsplug.uniflow.aggregation', aggregation,

@@ -13,6 +13,7 @@ from fs_plugins.fs.wire import (
     WireError,
     decode_tensors,
     decode_update,
+    decoded_updates,
     encode_tensors,
     encode_update,
     from_blob,
@@ -28,6 +29,16 @@ def _update():
               'same': base[:2]}                          # shares storage with the first
     return ClientUpdate(3, 12, shared, {'grad': torch.arange(5)}, {'loss': 0.1234567891234},
                         dataset_size=40)
+
+
+def test_a_rounds_updates_are_decoded_in_client_order_whatever_their_arrival():
+    """The server aggregates in client id order (as the embedded runner does), so a run over
+    the network gives the same numbers whichever update arrived first."""
+    arrived = {cid: (12, encode_update(_update(), True)) for cid in (3, 1, 2)}
+    arrived['4'] = (12, {'garbled': 1})
+    rejected = []
+    updates = decoded_updates(arrived, lambda cid, reason: rejected.append(cid))
+    assert [u.client_id for u in updates] == [1, 2, 3] and rejected == [4]
 
 
 @pytest.mark.parametrize('distributed', [False, True])

@@ -3,7 +3,6 @@ frozen, with no adapter, evaluated every round without a local step or a byte se
 are those of the global model before any training (a fresh LoRA has B = 0); with UniFLoW's
 model the projections P_m are the ones every UniFLoW run starts from; saved models reload; the
 audit passes; FederatedScope standalone and distributed give the embedded runner's numbers."""
-import importlib.util
 import math
 
 import pytest
@@ -19,7 +18,6 @@ from fs_plugins.run.evaluation import token_metrics
 
 TINY = f'{REPO}/yamls/zero_shot/tiny.yaml'
 TINY_UNIFLOW = f'{REPO}/yamls/zero_shot/tiny_uniflow.yaml'
-FS_MISSING = importlib.util.find_spec('federatedscope') is None
 
 
 def load(path, tmp_path, *opts):
@@ -99,7 +97,7 @@ def test_a_method_that_trains_still_refuses_a_model_with_nothing_trainable(tmp_p
     assert build_model(load(TINY, tmp_path), ZeroShot(load(TINY, tmp_path))).trainable_names == []
 
 
-@pytest.mark.skipif(FS_MISSING, reason='FederatedScope is not installed')
+@pytest.mark.fs
 def test_fs_distributed_matches_embedded(tmp_path):
     """Server + 2 clients over gRPC on 127.0.0.1: empty messages both ways, the embedded
     runner's numbers and saved models."""

@@ -228,9 +228,10 @@ def encoded_size(content: dict) -> int:
 def decoded_updates(received: dict, reject) -> list[ClientUpdate]:
     """The updates of a round's FS messages ({client id: (num_samples, content)}); one that
     cannot be decoded, for whatever reason, goes to `reject(client_id, reason)` and the rest
-    go on."""
+    go on. In client id order, not arrival order: the aggregate (a float sum, a distillation
+    over the updates) is then the same whatever order the network delivered them in."""
     updates = []
-    for client_id, message in received.items():
+    for client_id, message in sorted(received.items(), key=lambda item: int(item[0])):
         try:
             num_samples, content = message
             updates.append(decode_update(client_id, num_samples, content))

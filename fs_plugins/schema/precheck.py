@@ -28,6 +28,7 @@ from typing import Any
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema import method_index
+from fs_plugins.schema.fs_source_keys import fs_source_key_tree
 from fs_plugins.schema.loading import check_layers, config_layers, layer_modules
 from fs_plugins.schema.options import _default, _hints, _is_section, _list_item, _optional_inner, option
 from fs_plugins.schema.validate import OPEN_NODE, KnownMethods, fs_defaults, fsplug_defaults
@@ -49,9 +50,10 @@ def precheck(path: str | None, opts: list[str] | None = None, fs: bool = False) 
     """Raises the ConfigError the full load would raise for the YAML at `path` plus the
     command line `opts`, for every problem that can be found without the registries.
 
-    fs: the config goes to FederatedScope (its own keys are unknown here, so any key outside
-    those the plugin reads passes; problems are not prefixed by their source, as FS's merges
-    do not prefix them; a missing file is left to FS's own message)."""
+    fs: the config goes to FederatedScope: its own keys are those its installed config modules
+    declare (`fs_source_keys`, read without importing FS; when they cannot be read, any key
+    outside those the plugin reads passes); problems are not prefixed by their source, as FS's
+    merges do not prefix them; a missing file is left to FS's own message."""
     if fs and path and not os.path.isfile(path):
         return
     try:
@@ -59,7 +61,8 @@ def precheck(path: str | None, opts: list[str] | None = None, fs: bool = False) 
         incomplete = any(layer_modules(layer) for layer, _ in layers)
         known = KnownMethods(index_methods(), complete=not incomplete, registries=False)
         check_layers(layers, {**fs_defaults(), 'fsplug': fsplug_defaults(known)},
-                     {OPEN_NODE: True} if fs else None, known, name_sources=not fs)
+                     (fs_source_key_tree() or {OPEN_NODE: True}) if fs else None, known,
+                     name_sources=not fs)
     except ConfigError:
         if index_matches_sources():
             raise
