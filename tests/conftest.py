@@ -1,4 +1,3 @@
-import importlib.util
 import logging
 import os
 import sys
@@ -29,9 +28,7 @@ QUICK_TESTS = (
 TIER_MARKERS = ('slow', 'fs', 'bench')
 TIERS = {'fast': 'not slow and not fs and not bench', 'slow': 'slow', 'fs': 'fs', 'bench': 'bench',
          'all': ''}
-HAVE_FS = importlib.util.find_spec('federatedscope') is not None
-NO_FS_REASON = ("FederatedScope is not installed (its llm branch: docs/install.md); "
-                "`.ci/run` installs it and runs this test")
+from helpers import HAVE_FS, NO_FS_REASON  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -112,3 +112,23 @@ def test_checker_catches_a_broken_link_and_anchor(tmp_path):
                     '`[code](missing.md)`\n\n```\n[fenced](missing.md)\n```\n', encoding='utf-8')
     assert [p.split(': ', 1)[1] for p in problems_of(str(page))] == [
         'missing.md -> no such file', 'other.md#nope -> no heading with the anchor #nope']
+
+
+def adding_a_method_section_6() -> str:
+    with open(os.path.join(REPO, 'docs', 'adding_a_method.md'), encoding='utf-8') as handle:
+        text = handle.read()
+    start = text.index('## 6.')
+    end = text.find('\n## ', start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
+def test_adding_a_method_runs_exactly_the_suites_it_lists():
+    """§6 of the adding-a-method guide: the suites of its table are those its commands run
+    (besides the method's own tests/test_<name>.py), and each exists."""
+    section = adding_a_method_section_6()
+    listed = set(re.findall(r'^\| `(tests/test_\w+\.py)` \|', section, re.MULTILINE))
+    commands = '\n'.join(block for block in re.findall(r'```bash\n(.*?)```', section, re.DOTALL)
+                         if 'pytest' in block)
+    run = set(re.findall(r'tests/test_\w+\.py', commands)) - {'tests/test_<name>.py'}
+    assert listed and listed == run, (sorted(listed - run), sorted(run - listed))
+    assert all(os.path.isfile(os.path.join(REPO, path)) for path in listed)

@@ -273,7 +273,7 @@ def test_fs_standalone_gives_the_embedded_numbers(tmp_path, variant):
         _embedded_rows,
         assert_same_numbers,
         read_rows,
-        run_fs,
+        run_fs_in_process,
     )
     own = {'nbs': {'aggregation': 'nbs'},
            'other_tokenizer_ws': {'small_builder': 'causal_lm', 'small_model_type':
@@ -281,7 +281,7 @@ def test_fs_standalone_gives_the_embedded_numbers(tmp_path, variant):
     cfg = tiny_config(tmp_path, 'fedmosaic', rounds=2, steps=3, fsplug={
         'results_dir': str(tmp_path / 'fs'), 'fedmosaic': {
             'num_blocks': 1, 'gradient_every': 2, 'alignment_dir': str(tmp_path / 'align'), **own}})
-    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg),
+    proc = run_fs_in_process(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg),
                    '--client_cfg', write_yaml(tmp_path / 'clients.yaml', HETEROGENEOUS)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_numbers(read_rows(str(tmp_path / 'fs')),

@@ -34,10 +34,10 @@ def test_an_entry_that_is_not_a_mapping_names_the_file_and_the_client():
 def test_fs_run_with_entries_for_some_clients_gives_the_embedded_numbers(tmp_path):
     """Client 1 alone has an entry (client 2's is null, 3 and 4 have none): FS standalone runs
     and gives the numbers of the embedded runner, which leaves the others on the run's config."""
-    from test_fs_integration import _embedded_rows, assert_same_numbers, read_rows, run_fs
+    from test_fs_integration import _embedded_rows, assert_same_numbers, read_rows, run_fs_in_process
     cfg = tiny_config(tmp_path, rounds=1, steps=2, fsplug={'results_dir': str(tmp_path / 'fs')})
     client_cfgs = {'client_1': {'train': {'local_update_steps': 1}}, 'client_2': None}
-    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg),
+    proc = run_fs_in_process(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg),
                    '--client_cfg', write_yaml(tmp_path / 'clients.yaml', client_cfgs)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_rows(str(tmp_path / 'fs'))

@@ -391,7 +391,7 @@ def test_an_fs_llm_named_fs_run_with_shared_local_model_gives_the_embedded_numbe
     then hands every client the server's model object, which fsplug clients do not use: each
     builds its own) give the numbers of the embedded runner."""
     from helpers import tiny_config, write_yaml
-    from test_fs_integration import _embedded_rows, assert_same_numbers, read_rows, run_fs
+    from test_fs_integration import _embedded_rows, assert_same_numbers, read_rows, run_fs_in_process
     cfg = tiny_config(tmp_path, 'fedavg', rounds=2, steps=2, trainer={'type': 'llmtrainer'},
                       federate={'method': 'FedAvg', 'share_local_model': True},
                       model={'type': 'tiny-llama@huggingface_llm'},
@@ -403,7 +403,7 @@ def test_an_fs_llm_named_fs_run_with_shared_local_model_gives_the_embedded_numbe
     fs_cfg = deep_update(copy.deepcopy(cfg), {'criterion': {'type': 'CrossEntropyLoss'},
                                               'early_stop': {'patience': 0},
                                               'fsplug': {'results_dir': str(tmp_path / 'fs')}})
-    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', fs_cfg)])
+    proc = run_fs_in_process(['--cfg', write_yaml(tmp_path / 'fs.yaml', fs_cfg)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_rows(str(tmp_path / 'fs'))
     assert any('val_avg_loss' in row for row in rows)

@@ -159,9 +159,15 @@ def test_fs_standalone_matches_embedded(tmp_path):
     """Through FederatedScope standalone: the embedded runner's numbers (bytes: every weight in
     float32) and saved models."""
     from helpers import deep_update, write_yaml
-    from test_fs_integration import _embedded_rows, assert_same_artifacts, assert_same_numbers, read_rows, run_fs
+    from test_fs_integration import (
+        _embedded_rows,
+        assert_same_artifacts,
+        assert_same_numbers,
+        read_rows,
+        run_fs_in_process,
+    )
     cfg = deep_update(fs_config(tmp_path), {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
-    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)])
+    proc = run_fs_in_process(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     fs_rows = read_rows(str(tmp_path / 'fs'))
     assert_same_numbers(fs_rows, _embedded_rows(tmp_path, cfg))

@@ -177,10 +177,10 @@ def test_fs_standalone_with_two_prototypes_matches_embedded(tmp_path):
         assert_same_artifacts,
         assert_same_numbers,
         read_rows,
-        run_fs,
+        run_fs_in_process,
     )
     cfg = fs_config(tmp_path, fsplug={'results_dir': str(tmp_path / 'fs')})
-    proc = run_fs(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg),
+    proc = run_fs_in_process(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg),
                    '--client_cfg', write_yaml(tmp_path / 'clients.yaml', TWO_PROTOTYPES)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_numbers(read_rows(str(tmp_path / 'fs')),
