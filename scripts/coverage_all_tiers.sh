@@ -15,7 +15,7 @@ data_file = $work/.coverage
 RC
 export COVERAGE_RCFILE="$work/coveragerc"
 set +e
-python -m coverage run -m pytest -q -n 2 --tier all tests "$@"
+python -m coverage run -m pytest -q -n 2 --dist worksteal --tier all tests "$@"
 status=$?
 set -e
 python -m coverage combine -q
