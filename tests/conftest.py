@@ -83,3 +83,27 @@ def plugin_logger_as_it_was():
     saved = (list(logger.handlers), logger.level, logger.propagate)
     yield
     logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+
+
+def frozen_base_fingerprints() -> dict:
+    """A sample of every frozen base tensor this process shares between models
+    (fs_plugins.models.builders' cache): 64 evenly spaced values of each."""
+    from fs_plugins.models.builders import _FROZEN_CACHE
+    prints = {}
+    for key, tensors in _FROZEN_CACHE.items():
+        for name, tensor in tensors.items():
+            flat = tensor.detach().reshape(-1)
+            prints[(key, name)] = flat[::max(1, flat.numel() // 64)].double().sum().item()
+    return prints
+
+
+@pytest.fixture(autouse=True)
+def shared_frozen_base_unchanged(request):
+    """No test may change the frozen base tensors that every later model of the process shares:
+    a change would silently alter the numbers of every later run in the process."""
+    before = frozen_base_fingerprints()
+    yield
+    after = frozen_base_fingerprints()
+    changed = sorted(f'{key[1] or key[0]}: {name}' for (key, name), value in before.items()
+                     if after.get((key, name), value) != value)
+    assert not changed, f'{request.node.nodeid} changed shared frozen base tensors: {changed[:5]}'

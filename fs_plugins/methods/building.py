@@ -12,6 +12,7 @@ from fs_plugins.models.builders import (
     BuiltModel,
     inject_adapter,
     load_base,
+    own_module_fragments,
     share_frozen_tensors,
     unfreeze_non_adapter_modules,
 )
@@ -38,7 +39,8 @@ def build_model(cfg, method, share_frozen: bool = True) -> BuiltModel:
     if spec.gradient_checkpointing:
         enable_gradient_checkpointing(model, spec.model.builder)
     if share_frozen and not method.modifies_frozen_weights and spec.model.quantization == 'none':
-        share_frozen_tensors(model, (spec.model.builder, spec.path, spec.model.dtype), base_params)
+        share_frozen_tensors(model, (spec.model.builder, spec.path, spec.model.dtype), base_params,
+                             own_module_fragments(base))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if not trainable and method.trains:
         raise ConfigError("The model has no trainable parameters after LoRA injection; "

@@ -397,13 +397,26 @@ def target_keys(base: LoadedBase | None, tower: str | None) -> dict[str, str]:
     return keys
 
 
-def share_frozen_tensors(model: torch.nn.Module, key: tuple, base_params: set[int]) -> None:
+def own_module_fragments(base: LoadedBase) -> tuple[str, ...]:
+    """Name fragments of the base model's modules that a participant may train or receive
+    (the builder's `trained_modules` and every `trainable_switches` module, switched on or
+    not): seeded per run and overwritten by what the server sends, so never shared, even
+    where a participant leaves them frozen (a UniFLoW client's projector of a modality it
+    lacks)."""
+    return tuple(base.trained_modules) + tuple(base.trainable_switches.values())
+
+
+def share_frozen_tensors(model: torch.nn.Module, key: tuple, base_params: set[int],
+                         own_fragments: tuple[str, ...] = ()) -> None:
     """Points the frozen base-model parameters (ids in `base_params`) at tensors already loaded
     for `key` (same name and shape). Frozen adapter tensors (FFA's A, FedMosaic's aligned
-    PQ-LoRA A and B) depend on the run's seed and settings and are never shared."""
+    PQ-LoRA A and B) depend on the run's seed and settings and are never shared, nor are the
+    modules named by `own_fragments` (`own_module_fragments`)."""
     cache = _FROZEN_CACHE.setdefault(key, {})
     for name, param in model.named_parameters():
         if param.requires_grad or id(param) not in base_params:
+            continue
+        if any(fragment in name for fragment in own_fragments):
             continue
         cached = cache.get(name)
         if cached is not None and cached.shape == param.shape and cached.dtype == param.dtype:
