@@ -166,6 +166,24 @@ def test_fs_key_tree_of_config_sources(tmp_path):
     assert key_tree_of_sources([str(source)]) == \
         {'train': {'lr': None, 'optimizer': {'__open__': True}}, 'outdir': None}
     assert key_tree_of_sources([str(tmp_path / 'missing.py')]) is None
+    redefined = tmp_path / 'cfg_y.py'   # a leaf that a later module makes a node
+    redefined.write_text('def extend(cfg):\n    cfg.outdir = CN()\n    cfg.outdir.sub = 1\n')
+    assert key_tree_of_sources([str(source), str(redefined)])['outdir'] == {'sub': None}
+
+
+def test_without_a_readable_federatedscope_the_fs_key_tree_is_unknown(monkeypatch):
+    import importlib.util
+
+    from fs_plugins.schema import fs_source_keys
+
+    def broken(name):
+        raise ValueError(f'{name}.__spec__ is None')
+    monkeypatch.setattr(importlib.util, 'find_spec', broken)
+    fs_source_keys.fs_source_key_tree.cache_clear()
+    try:
+        assert fs_source_keys.fs_source_key_tree() is None
+    finally:
+        fs_source_keys.fs_source_key_tree.cache_clear()
 
 
 @pytest.mark.fs

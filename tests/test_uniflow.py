@@ -516,3 +516,29 @@ def test_whisper_backend_cuts_its_window_to_max_seconds(tmp_path):
     states = proc.model.base_model.model.encoders['audio'](example['input_features'])
     assert states.shape == (1, 30, 32)                               # 50 positions a second
     assert trained_parts_per_step(proc)[0] == ENCODER_SIDE
+
+
+def test_frozen_projectors_are_never_shared_between_models():
+    """The process shares frozen base tensors between models of the same base; a projector (a
+    module a participant may train or receive: here a client's projector of a modality it
+    lacks, frozen) is its own, since the server's content overwrites it in place."""
+    from types import SimpleNamespace
+
+    from fs_plugins.models.builders import own_module_fragments, share_frozen_tensors
+
+    def model():
+        module = torch.nn.ModuleDict({'layer': torch.nn.Linear(2, 2),
+                                      'projectors': torch.nn.ModuleDict({'image': torch.nn.Linear(2, 2)})})
+        module.requires_grad_(False)
+        return module
+    base = SimpleNamespace(trained_modules=['head.'], trainable_switches={'train_projector': 'projectors.'})
+    fragments = own_module_fragments(base)
+    assert fragments == ('head.', 'projectors.')
+    key = ('test_frozen_projectors', '', 'float32')
+    first, second = model(), model()
+    for built in (first, second):
+        share_frozen_tensors(built, key, {id(p) for p in built.parameters()}, fragments)
+    assert second.layer.weight.data_ptr() == first.layer.weight.data_ptr()
+    assert second.projectors.image.weight.data_ptr() != first.projectors.image.weight.data_ptr()
+    from fs_plugins.models.builders import _FROZEN_CACHE
+    _FROZEN_CACHE.pop(key)
