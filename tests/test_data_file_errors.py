@@ -248,28 +248,27 @@ def test_federatedscopes_error_report_prints_it_without_a_traceback():
     assert 'data file error:\n  Data file d.jsonl, line 2: not valid JSON' in done.stderr
 
 
-def run_cli(tmp_path, data_lines: str, **updates) -> subprocess.CompletedProcess:
+def run_cli(tmp_path, capsys, data_lines: str, **updates) -> str:
+    """`fs-plugins run --runner embedded` on a config reading `data_lines` (the CLI's `main`,
+    in this process); returns what it printed to stderr, checked to be the one-line report."""
+    from fs_plugins.commands.cli import main
     data = write(tmp_path / 'data' / 'qa.jsonl', data_lines)
     cfg = tiny_config(tmp_path, data={'type': 'qa.jsonl@fsplug', 'splitter': 'iid'}, **updates)
     cfg_path = write_yaml(tmp_path / 'run.yaml', cfg)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get('PYTHONPATH', '')]),
-               OMP_NUM_THREADS='1')
-    done = subprocess.run([sys.executable, '-m', 'fs_plugins', 'run', '--runner', 'embedded',
-                           '--cfg', cfg_path], capture_output=True, text=True, env=env,
-                          cwd=str(tmp_path), timeout=300)
-    assert done.returncode == 2, done.stderr
-    assert 'Traceback' not in done.stderr, done.stderr
-    assert 'fs-plugins: data file error:' in done.stderr and data in done.stderr, done.stderr
-    return done
+    capsys.readouterr()
+    code = main(['run', '--runner', 'embedded', '--cfg', cfg_path])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert 'Traceback' not in stderr, stderr
+    assert 'fs-plugins: data file error:' in stderr and data in stderr, stderr
+    return stderr
 
 
-@pytest.mark.slow
-def test_cli_run_refuses_a_malformed_line(tmp_path):
-    done = run_cli(tmp_path, f'{GOOD_LINE}\n{GOOD_LINE}\n{{"instruction": "x",\n')
-    assert 'line 3: not valid JSON' in done.stderr, done.stderr
+def test_cli_run_refuses_a_malformed_line(tmp_path, capsys):
+    stderr = run_cli(tmp_path, capsys, f'{GOOD_LINE}\n{GOOD_LINE}\n{{"instruction": "x",\n')
+    assert 'line 3: not valid JSON' in stderr, stderr
 
 
-@pytest.mark.slow
-def test_cli_run_refuses_fewer_records_than_clients(tmp_path):
-    done = run_cli(tmp_path, f'{GOOD_LINE}\n{GOOD_LINE}\n', federate={'client_num': 4})
-    assert 'federate.client_num = 4' in done.stderr, done.stderr
+def test_cli_run_refuses_fewer_records_than_clients(tmp_path, capsys):
+    stderr = run_cli(tmp_path, capsys, f'{GOOD_LINE}\n{GOOD_LINE}\n', federate={'client_num': 4})
+    assert 'federate.client_num = 4' in stderr, stderr
