@@ -5,6 +5,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # toy_methods, helpers
+from helpers import HAVE_FS, NO_FS_REASON  # noqa: E402
+
 # fsplug.threads' auto count follows the machine's load, and a float sum's order follows the
 # thread count: the tests fix it (subprocesses inherit it), so comparisons of runs stay exact
 os.environ.setdefault('OMP_NUM_THREADS', '1')
@@ -28,7 +30,6 @@ QUICK_TESTS = (
 TIER_MARKERS = ('slow', 'fs', 'bench')
 TIERS = {'fast': 'not slow and not fs and not bench', 'slow': 'slow', 'fs': 'fs', 'bench': 'bench',
          'all': ''}
-from helpers import HAVE_FS, NO_FS_REASON  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -82,7 +83,7 @@ def plugin_logger_as_it_was():
     logger = logging.getLogger('fs_plugins')
     saved = (list(logger.handlers), logger.level, logger.propagate)
     yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 def frozen_base_fingerprints() -> dict:

@@ -79,22 +79,39 @@ def write_yaml(path, cfg: dict) -> str:
     return str(path)
 
 
-def run_embedded_keeping_clients(cfg, client_cfgs=None):
+def run_embedded_keeping_parties(cfg, client_cfgs=None):
     """Runs the embedded runner on a loaded config; returns (results log, {client id:
-    ClientProcedure}) so tests can inspect each client's model and state after the run."""
+    ClientProcedure}, ServerProcedure) so tests can inspect the parties after the run."""
     from fs_plugins.sim import runner as runner_mod
-    captured = {}
-    original = runner_mod.build_clients
+    captured, servers = {}, []
+    build_clients, server_class = runner_mod.build_clients, runner_mod.ServerProcedure
 
-    def spy(*args, **kwargs):
-        captured.update(original(*args, **kwargs))
+    def spy_clients(*args, **kwargs):
+        captured.update(build_clients(*args, **kwargs))
         return captured
-    runner_mod.build_clients = spy
+
+    def spy_server(*args, **kwargs):
+        servers.append(server_class(*args, **kwargs))
+        return servers[-1]
+    runner_mod.build_clients, runner_mod.ServerProcedure = spy_clients, spy_server
     try:
         results = runner_mod.run_embedded(cfg, client_cfgs)
     finally:
-        runner_mod.build_clients = original
-    return results, captured
+        runner_mod.build_clients, runner_mod.ServerProcedure = build_clients, server_class
+    return results, captured, servers[-1]
+
+
+def run_embedded_keeping_clients(cfg, client_cfgs=None):
+    """`run_embedded_keeping_parties` without the server: (results log, {client id:
+    ClientProcedure})."""
+    results, clients, _ = run_embedded_keeping_parties(cfg, client_cfgs)
+    return results, clients
+
+
+def method_params(methods, fast=('fedavg',)) -> list:
+    """pytest params of `methods`, those not in `fast` marked slow: fedavg's case is the fast
+    tier's, every other method's is in the slow tier."""
+    return [pytest.param(m, marks=() if m in fast else pytest.mark.slow) for m in methods]
 
 
 def assert_reloaded_models_match(results, clients) -> None:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
-from helpers import run_embedded_keeping_clients, tiny_yaml_of
+from helpers import method_params, run_embedded_keeping_clients, tiny_yaml_of
 
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.run.config import load_config
@@ -24,14 +24,8 @@ def test_the_registry_finds_the_package_methods():
     assert {'fedavg', 'standalone', 'fedmole', 'flame', 'toy_phased'} <= set(METHODS)
 
 
-def fast_for(method: str) -> list:
-    """fedavg's run is the fast tier's one end-to-end run of the embedded runner; the other
-    methods' are in the slow tier."""
-    return [] if method == 'fedavg' else [pytest.mark.slow]
-
-
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-@pytest.mark.parametrize('method', [pytest.param(m, marks=fast_for(m)) for m in METHODS])
+@pytest.mark.parametrize('method', method_params(METHODS))
 def test_tiny_yaml_runs(tmp_path, reference_runs, method, dtype):
     """float32: the method's reference run (tests/shared_runs.py, its last round); bfloat16:
     one round of its own."""

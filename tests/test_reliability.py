@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import toy_methods  # noqa: F401  (registers the test-only methods: covered like the others)
-from helpers import run_embedded_keeping_clients, tiny_yaml_of, untimed_results_file, untimed_rows
+from helpers import method_params, run_embedded_keeping_clients, tiny_yaml_of, untimed_results_file, untimed_rows
 
 from fs_plugins.methods.base import ClientUpdate
 from fs_plugins.methods.registry import all_methods
@@ -79,10 +79,6 @@ RESUMED_KINDS = {
 }
 
 
-def _method_params(fast: set) -> list:
-    return [pytest.param(m, marks=() if m in fast else pytest.mark.slow) for m in METHODS]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize('method', sorted(RESUMED_KINDS))
 def test_a_run_stopped_and_resumed_ends_with_the_same_results(tmp_path, monkeypatch, method):
@@ -109,7 +105,7 @@ def test_a_run_stopped_and_resumed_ends_with_the_same_results(tmp_path, monkeypa
                                                                    (1, 'server')}
 
 
-@pytest.mark.parametrize('method', _method_params({'fedavg'}))
+@pytest.mark.parametrize('method', method_params(METHODS))
 def test_every_partys_checkpoint_holds_its_whole_state(reference_runs, method):
     """The state round trip of every method: the reference run's last checkpoint, read back
     into its parties' layout, equals what the server and each client hold at the end of the run

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import toy_methods  # noqa: F401  (registers the test-only toy_phased)
-from helpers import run_embedded_keeping_clients, tiny_yaml_of
+from helpers import method_params, run_embedded_keeping_clients, tiny_yaml_of
 
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.methods.building import build_model
@@ -46,8 +46,7 @@ def assert_same_numbers(rows_a, rows_b, rel=2e-4, leave_out=()):
                 assert row_a[key] == pytest.approx(row_b[key], rel=rel, abs=1e-6), key
 
 
-@pytest.mark.parametrize('method', [pytest.param(m, marks=() if m == 'fedavg' else pytest.mark.slow)
-                                    for m in METHODS])
+@pytest.mark.parametrize('method', method_params(METHODS))
 def test_gradient_checkpointing_gives_the_same_run(tmp_path, reference_runs, method):
     """The method's reference run (tests/shared_runs.py) again with gradient checkpointing."""
     import shared_runs
@@ -55,8 +54,7 @@ def test_gradient_checkpointing_gives_the_same_run(tmp_path, reference_runs, met
     checkpointed, clients = run_embedded_keeping_clients(shared_runs.load(
         method, str(tmp_path / 'checkpointed'), plain.folder,
         'fsplug.train.gradient_checkpointing', 'True'))
-    checkpointed = checkpointed.rows
-    assert_same_numbers(plain.results.rows, checkpointed)
+    assert_same_numbers(plain.results.rows, checkpointed.rows)
     model = next(iter(clients.values())).model
     assert any(getattr(m, 'gradient_checkpointing', False) is True for m in model.modules())
 

@@ -74,20 +74,22 @@ def _is_node(value: ast.expr) -> tuple[bool, bool]:
     return False, False
 
 
+def _child(node: dict, part: str) -> dict:
+    """node[part] as a node (a leaf of that name becomes one)."""
+    if not isinstance(node.get(part), dict):
+        node[part] = {}
+    return node[part]
+
+
 def _add(tree: dict, key: list[str] | None, value: ast.expr) -> None:
     if not key:
         return
     node = tree
     for part in key[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = node[part] = {}
-        node = child
+        node = _child(node, part)
     is_node, open_node = _is_node(value)
     if is_node:
-        child = node.setdefault(key[-1], {})
-        if not isinstance(child, dict):
-            child = node[key[-1]] = {}
+        child = _child(node, key[-1])
         if open_node:
             child[OPEN_NODE] = True
     elif not isinstance(node.get(key[-1]), dict):
