@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 import yaml
 
-from fs_plugins.run.audit import AuditReport, audit, format_report, is_tiny, tiny_client_variant, tiny_variant
+from fs_plugins.run.audit import AuditReport, audit, format_report, tiny_config
 from fs_plugins.run.config import load_config
 from fs_plugins.schema.loading import read_yaml
 
@@ -23,13 +23,7 @@ def audit_yaml(cfg_path: str, client_cfg: str | None = None, opts: list[str] | N
     client_cfgs = read_yaml(client_cfg) if client_cfg else None
     if not tiny:
         return audit(load_config(cfg_path, list(opts or [])), client_cfgs, clients, steps)
-    original = read_yaml(cfg_path)
-    plain = tiny_variant(original)
-    run_builder = plain['fsplug']['model']['builder']
-    if client_cfgs and not is_tiny(original):   # the entries of the tiny data's clients
-        clients_there = int(plain['federate']['client_num'])
-        client_cfgs = {k: tiny_client_variant(v, run_builder) for k, v in client_cfgs.items()
-                       if int(str(k).removeprefix('client_')) <= clients_there}
+    plain, client_cfgs = tiny_config(read_yaml(cfg_path), client_cfgs)
     with tempfile.TemporaryDirectory(prefix='fsplug-audit-cfg-') as folder:
         path = os.path.join(folder, 'tiny_' + os.path.basename(cfg_path))
         with open(path, 'w', encoding='utf-8') as handle:

@@ -41,6 +41,7 @@ from fs_plugins.commands import reproduce as reproducing
 from fs_plugins.commands.credentials import CredentialsError, make_credentials, party_files
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema.loading import read_yaml
+from fs_plugins.schema.placeholders import placeholder_problems
 from fs_plugins.schema.precheck import precheck
 
 logger = logging.getLogger('fs_plugins')
@@ -65,13 +66,21 @@ def run_with_fs(cfg_path: str, client_cfg: str | None, opts: list[str]) -> None:
 
 
 def check_before_imports(cfg_path: str, opts: list[str], client_cfg: str | None = None,
-                         fs: bool = False) -> None:
+                         fs: bool = False, placeholders: bool = True) -> None:
     """Raises the ConfigError that loading the config would raise later, for every problem that
     can be found without importing torch (all but the choices a registry owns and the methods'
-    rules between keys). fs: the YAML goes to FederatedScope, which reads --client_cfg itself."""
-    precheck(cfg_path, opts, fs=fs)
-    if client_cfg and not fs:
-        read_yaml(client_cfg)
+    rules between keys). fs: the YAML goes to FederatedScope, which reads --client_cfg itself
+    (only its placeholders are checked here). placeholders: refuse `/path/to/` values left in
+    the YAML, the command line or the --client_cfg file."""
+    entries = read_yaml(client_cfg) if client_cfg and (not fs or os.path.isfile(client_cfg)) else {}
+    in_client_cfg = placeholder_problems([(entries, client_cfg)], overridable=False) \
+        if placeholders and entries else []
+    try:
+        precheck(cfg_path, opts, fs=fs, placeholders=placeholders)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems + in_client_cfg) from None
+    if in_client_cfg:
+        raise ConfigError(in_client_cfg)
 
 
 def run_embedded_cli(cfg_path: str, client_cfg: str | None, opts: list[str], reason: str) -> None:
@@ -95,7 +104,8 @@ def after_precheck(args, body) -> int:
     """`body()` (it imports torch) after the YAML's pre-check; a config error, a missing file or
     a bad value ends in one message and exit code 2."""
     try:
-        check_before_imports(args.cfg, args.opts, args.client_cfg)
+        check_before_imports(args.cfg, args.opts, args.client_cfg,
+                             placeholders=not getattr(args, 'tiny', False))
     except ConfigError as exc:
         return _config_error(exc)
     logging.basicConfig(level=logging.WARNING)

@@ -34,6 +34,7 @@ from fs_plugins.run.results import ResultsLog
 from fs_plugins.run.runtime import build_clients, build_federated_records, initial_global
 from fs_plugins.run.server import ServerProcedure
 from fs_plugins.schema.options import Cfg
+from fs_plugins.schema.placeholders import without_placeholders
 
 _INDEX = re.compile(r'(?<=[./])\d+(?=[./]|$)')
 _PREFIXES = ('base_model.model.',)
@@ -536,6 +537,21 @@ def tiny_variant(plain: dict) -> dict:
         if key in options:
             options[key] = min(int(options[key]), TINY_DEPTH)
     return out
+
+
+def tiny_config(plain: dict, client_cfgs: dict | None = None) -> tuple[dict, dict | None]:
+    """A config (and its --client_cfg entries) swapped for the tiny model of each family on
+    offline data (`tiny_variant`, `tiny_client_variant`; the entries of clients beyond the tiny
+    data's dropped), without the `/path/to/` placeholders left in it (their defaults apply):
+    the paper-scale YAML runs here as the audit and `reproduce --smoke --tiny` run it."""
+    swapped = without_placeholders(tiny_variant(plain))
+    if client_cfgs and not is_tiny(plain):
+        run_builder = swapped['fsplug']['model']['builder']
+        clients_there = int(swapped['federate']['client_num'])
+        client_cfgs = {k: without_placeholders(tiny_client_variant(v, run_builder))
+                       for k, v in client_cfgs.items()
+                       if int(str(k).removeprefix('client_')) <= clients_there}
+    return swapped, client_cfgs
 
 
 def tiny_multimodal(multimodal: dict) -> dict:

@@ -31,6 +31,7 @@ from fs_plugins.schema import method_index
 from fs_plugins.schema.fs_source_keys import fs_source_key_tree
 from fs_plugins.schema.loading import check_layers, config_layers, layer_modules
 from fs_plugins.schema.options import _default, _hints, _is_section, _list_item, _optional_inner, option
+from fs_plugins.schema.placeholders import refuse_placeholders
 from fs_plugins.schema.validate import OPEN_NODE, KnownMethods, fs_defaults, fsplug_defaults
 
 __all__ = ['precheck', 'index_methods', 'render_index', 'INDEX_PATH']
@@ -46,18 +47,30 @@ TYPE_NAMES = {'bool': bool, 'int': int, 'float': float, 'str': str, 'Any': Any}
 
 # ------------------------------------------------------------------ the pre-check
 
-def precheck(path: str | None, opts: list[str] | None = None, fs: bool = False) -> None:
+def precheck(path: str | None, opts: list[str] | None = None, fs: bool = False,
+             placeholders: bool = True) -> None:
     """Raises the ConfigError the full load would raise for the YAML at `path` plus the
     command line `opts`, for every problem that can be found without the registries.
 
     fs: the config goes to FederatedScope: its own keys are those its installed config modules
     declare (`fs_source_keys`, read without importing FS; when they cannot be read, any key
     outside those the plugin reads passes); problems are not prefixed by their source, as FS's
-    merges do not prefix them; a missing file is left to FS's own message."""
+    merges do not prefix them; a missing file is left to FS's own message.
+
+    placeholders: refuse a key whose effective value is still a `/path/to/` placeholder,
+    before any other check (False: for a caller that swaps the model and data for tiny ones,
+    as `audit --tiny` does)."""
     if fs and path and not os.path.isfile(path):
         return
     try:
         layers = config_layers(path, opts)
+    except ConfigError:
+        raise
+    except Exception:    # noqa: BLE001 -- what the pre-check cannot read, the full check reports
+        return
+    if placeholders:
+        refuse_placeholders(layers)
+    try:
         incomplete = any(layer_modules(layer) for layer, _ in layers)
         known = KnownMethods(index_methods(), complete=not incomplete, registries=False)
         check_layers(layers, {**fs_defaults(), 'fsplug': fsplug_defaults(known)},

@@ -1,0 +1,70 @@
+"""`/path/to/...` placeholders: the paper-scale YAMLs name what the user must supply (model
+weights, downloaded data, a LoRA library) as `/path/to/<what>`. A config whose effective value
+still is one is refused before anything loads, naming the key and where it was set, instead of
+failing minutes later on a missing file."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fs_plugins.core.errors import ConfigError
+
+PLACEHOLDER = '/path/to/'
+
+
+def is_placeholder(value) -> bool:
+    """Whether a value (a string, or a list of them) still holds a `/path/to/` placeholder."""
+    if isinstance(value, (list, tuple)):
+        return any(is_placeholder(item) for item in value)
+    return isinstance(value, str) and PLACEHOLDER in value
+
+
+def leaves(node: Mapping, prefix: str = '') -> list[tuple[str, object]]:
+    """(dotted key, value) of every leaf of a nested mapping (a list is a leaf)."""
+    out = []
+    for key, value in node.items():
+        dotted = f'{prefix}{key}'
+        if isinstance(value, Mapping):
+            out += leaves(value, dotted + '.')
+        else:
+            out.append((dotted, value))
+    return out
+
+
+def without_placeholders(node: Mapping) -> dict:
+    """The mapping without the leaves that are placeholders (their defaults then apply): what
+    a tiny stand-in of a paper-scale config keeps."""
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, Mapping):
+            out[key] = without_placeholders(value)
+        elif not is_placeholder(value):
+            out[key] = value
+    return out
+
+
+def placeholder_problems(layers: list[tuple[Mapping, str]], overridable: bool = True) -> list[str]:
+    """One line per key whose effective value (the last layer that sets it wins) is still a
+    placeholder, naming the key, the value and the layer (a YAML file or the command line).
+    overridable: the key can also be given on the command line (not so a --client_cfg entry)."""
+    effective: dict[str, tuple[object, str]] = {}
+    for layer, source in layers:
+        for key, value in leaves(layer):
+            for other in [k for k in effective if k.startswith(key + '.')]:
+                del effective[other]   # a layer that sets a whole node replaces its leaves
+            effective[key] = (value, source)
+
+    def advice(key: str, source: str) -> str:
+        if source == 'command line':
+            return 'replace it on the command line'
+        if not overridable:
+            return f'replace it in {source}'
+        return f"replace it in {source} or give '{key} <value>' on the command line"
+    return [f"{key}: '{value}' is a placeholder for a file or model you supply: "
+            f'{advice(key, source)}'
+            for key, (value, source) in effective.items() if is_placeholder(value)]
+
+
+def refuse_placeholders(layers: list[tuple[Mapping, str]], overridable: bool = True) -> None:
+    problems = placeholder_problems(layers, overridable)
+    if problems:
+        raise ConfigError(problems)
