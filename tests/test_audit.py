@@ -11,6 +11,7 @@ from helpers import REPO, shipped_yamls, tiny_config, write_yaml
 from fs_plugins.commands.audit import audit_yaml
 from fs_plugins.methods.base import Contract, Phase
 from fs_plugins.methods.registry import get_method_class
+from fs_plugins.run import audit as run_audit
 from fs_plugins.run.audit import audit, format_report, group_of, tiny_client_variant, tiny_variant
 from fs_plugins.run.config import load_config, read_yaml
 
@@ -128,6 +129,21 @@ def test_names_fold_layer_and_expert_indices():
     assert group_of('base_model.model.model.layers.11.mlp.experts.3.lora_A.default.weight') == \
         'model.layers.*.mlp.experts.*.lora_A.default.weight'
     assert group_of('pq/block2.self_attn.q_proj/P') == 'pq/block*.self_attn.q_proj/P'
+
+
+def test_the_tiny_swap_caps_rank_bounded_options_and_thins_per_client_lists():
+    """AdaLoRA's target_r with the capped rank; DoFIT's ten domain labels to the tiny
+    federation's clients, evenly spaced (both domains kept); placeholders dropped."""
+    plain = read_yaml(os.path.join(REPO, 'yamls', 'smartfed', 'paper_mgsm_fedit.yaml'))
+    plain['fsplug'].update(method='adalora', adalora={'target_r': 32})
+    plain['fsplug']['model']['lora']['r'] = 48
+    assert tiny_variant(plain)['fsplug']['adalora']['target_r'] == 16
+    plain['fsplug'].update(method='dofit', dofit={'domains': [0] * 5 + [1] * 5})
+    swapped = tiny_variant(plain)
+    assert swapped['fsplug']['dofit']['domains'] == [0, 0, 1, 1][:swapped['federate']['client_num']]
+    library = read_yaml(os.path.join(REPO, 'yamls', 'smartfed', 'paper_mgsm.yaml'))
+    config, _ = run_audit.tiny_config(library)
+    assert '/path/to/' not in json.dumps(config)
 
 
 def test_tiny_variants_keep_the_wiring_and_swap_the_model():

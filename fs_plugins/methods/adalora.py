@@ -90,7 +90,7 @@ class AdaLora(Method):
     sent = 'P, Λ, Q + triplet importance / P, Λ, Q (+ final rank mask)'
     uses_peft_adapter = False
     robust_aggregation_refusal = "its server masks Λ by the clients' averaged importance"
-    contract = Contract(extra=(IMPORTANCE_KEY,))
+    contract = Contract(extra=(IMPORTANCE_KEY,), rank_options=('target_r',))
     config_class = AdaLoraConfig
 
     @classmethod

@@ -91,7 +91,11 @@ class Contract:
       whole audited round (FedAdapter's inactive layers): on a client whose phases never made
       one trainable, it needs no gradient and is not uploaded (`Method.expected_upload`);
     - `depth_options`: options under `fsplug.<name>` bounded by the model's depth, capped at a
-      tiny model's when the audit swaps the YAML's model for one (FedMosaic's N_B)."""
+      tiny model's when the audit swaps the YAML's model for one (FedMosaic's N_B);
+    - `rank_options`: options bounded by the LoRA rank, capped with it by that swap (AdaLoRA's
+      target_r);
+    - `per_client_options`: lists with one entry per client, thinned evenly to the tiny
+      federation's clients by that swap (DoFIT's domains)."""
     trains: tuple[str, ...] = ()
     uploads: tuple[str, ...] = ()
     stays_local: tuple[str, ...] = ()
@@ -100,6 +104,8 @@ class Contract:
     claim: PaperClaim | None = None
     audit_clients: int = 2
     depth_options: tuple[str, ...] = ()
+    rank_options: tuple[str, ...] = ()
+    per_client_options: tuple[str, ...] = ()
     gated_trains: tuple[str, ...] = ()
 
 

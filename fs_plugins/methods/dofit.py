@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from fs_plugins.aggregation import weighted_average
 from fs_plugins.aggregation.domains import GRANULARITIES, INITS, dofit_inter_domain
-from fs_plugins.methods.base import Method, weights_of
+from fs_plugins.methods.base import Contract, Method, weights_of
 from fs_plugins.methods.registry import register_method
 from fs_plugins.schema import option
 
@@ -51,6 +51,7 @@ class DoFIT(Method):
                '(proximal perturbation, or assigned for DoFIT-base)')
     sent = "A, B / the domain's A, B"
     config_class = DoFITConfig
+    contract = Contract(per_client_options=('domains',))
 
     @classmethod
     def config_problems(cls, hparams, cfg):

@@ -533,9 +533,19 @@ def tiny_variant(plain: dict) -> dict:
     _cap_rank(out)
     method = str(out['fsplug'].get('method', 'fedavg'))
     options = out['fsplug'].get(method) or {}
-    for key in get_method_class(method).contract.depth_options:
+    contract = get_method_class(method).contract
+    for key in contract.depth_options:
         if key in options:
             options[key] = min(int(options[key]), TINY_DEPTH)
+    rank = int(((out['fsplug'].get('model') or {}).get('lora') or {}).get('r', TINY_MAX_RANK))
+    for key in contract.rank_options:
+        if key in options:
+            options[key] = min(int(options[key]), rank)
+    clients = int(out['federate']['client_num'])
+    for key in contract.per_client_options:
+        values = options.get(key)
+        if isinstance(values, list) and len(values) > clients:   # evenly spaced entries
+            options[key] = [values[i * len(values) // clients] for i in range(clients)]
     return out
 
 
