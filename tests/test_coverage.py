@@ -1,13 +1,12 @@
 """The README's paper coverage (docs/paper_tables.yaml): every row names a registered method
 with a YAML that exists and keys the schema accepts, or the reason nothing runs it."""
 import os
-import re
 import sys
 
 import pytest
-from helpers import REPO, tiny_yaml_of
+from helpers import REPO
 
-from fs_plugins.commands.reproduce import numbers_problems
+from fs_plugins.commands.reproduce import Mode, numbers_problems, plan_runs
 from fs_plugins.methods.registry import all_methods
 from fs_plugins.run.config import ConfigError, load_config
 
@@ -17,29 +16,14 @@ import gen_reference  # noqa: E402
 TABLES = gen_reference.paper_tables()
 
 
-def expanded(path: str) -> list[str]:
-    """'yamls/x/{a,b}.yaml' -> both paths (the data's shell-brace notation)."""
-    match = re.search(r'\{([^}]*)\}', path)
-    if not match:
-        return [path]
-    return [p for choice in match.group(1).split(',')
-            for p in expanded(path[:match.start()] + choice + path[match.end():])]
-
-
-def _opts(options: dict, method: str) -> list[str]:
-    opts = ['fsplug.method', method]
-    for key, value in options.items():
-        if key not in ('yaml', 'client_cfg', 'setting'):
-            opts += [key, str(value)]
-    return opts
-
-
 @pytest.mark.parametrize('table', TABLES, ids=[f"{t['paper']}-{t['table']}" for t in TABLES])
 def test_every_row_runs_or_says_why(table):
+    """At the paper's scale every method row has a command for each of its panels: its YAML
+    and --client_cfg exist and the config loads with the row's and the panel's keys."""
     assert table['paper'] in gen_reference.PAPERS and table['rows']
     problems = []
     for row in table['rows']:
-        method, options = row.get('method'), dict(row.get('options') or {})
+        method = row.get('method')
         if method is None:
             if not str(row.get('reason', '')).strip():
                 problems.append(f"{row['row']}: no method and no reason")
@@ -47,18 +31,20 @@ def test_every_row_runs_or_says_why(table):
         if method not in all_methods():
             problems.append(f"{row['row']}: '{method}' is not a registered method")
             continue
-        paths = [p for key in ('yaml', 'client_cfg') if key in options
-                 for p in expanded(options[key])]
-        missing = [p for p in paths if not os.path.isfile(os.path.join(REPO, p))]
-        if missing:
-            problems.append(f"{row['row']}: missing {missing}")
-            continue
-        base = os.path.join(REPO, expanded(options['yaml'])[0]) if 'yaml' in options \
-            else tiny_yaml_of(method)
-        try:
-            load_config(base, _opts(options, method))
-        except ConfigError as exc:
-            problems.append(f"{row['row']}: {exc.problems}")
+        for plan in plan_runs(table, row, Mode('paper')):
+            where = f"{row['row']} [{plan.panel}]" if plan.panel else row['row']
+            if plan.why_not:
+                problems.append(f'{where}: {plan.why_not}')
+                continue
+            missing = [p for p in (plan.yaml, plan.client_cfg)
+                       if p and not os.path.isfile(os.path.join(REPO, p))]
+            if missing:
+                problems.append(f'{where}: missing {missing}')
+                continue
+            try:
+                load_config(os.path.join(REPO, plan.yaml), plan.opts())
+            except ConfigError as exc:
+                problems.append(f'{where}: {exc.problems}')
     assert not problems, '\n'.join(problems)
 
 

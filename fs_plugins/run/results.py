@@ -204,6 +204,9 @@ class ResultsLog:
         whether the run went to its end (`completed`; False: it stopped on an error, its
         results so far kept)."""
         self.run_info['completed'] = completed
+        peak = peak_cuda_memory()
+        if peak:
+            self.run_info['peak_cuda_memory_bytes'] = peak
         self._write_run_info()
         self.write_csv()
         summary = self.summary_markdown()
@@ -212,6 +215,14 @@ class ResultsLog:
         if not self._jsonl.closed:
             self._jsonl.close()
         return summary
+
+
+def peak_cuda_memory() -> int | None:
+    """The largest peak of memory allocated by torch on any CUDA device in this process (what
+    `fs-plugins reproduce` reports per row), None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return max(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count()))
 
 
 def is_time_column(name: str) -> bool:
