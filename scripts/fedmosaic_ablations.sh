@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # FedMosaic's ablations (paper Table 7, Tables 29-32, Figs. 16-17) as one grid of runs on
 # the heterogeneous PFL-Dynamic federations, one run per cell and seed, each the YAML with
-# fsplug.fedmosaic.* overrides (docs/fedmosaic.md#ablations):
+# overrides (fsplug.fedmosaic.*, or another method for 'vanilla'; docs/fedmosaic.md#ablations):
 #   full        FedMosaic as configured (RELA + PQ-LoRA, the paper's defaults)
-#   vanilla     rela False, pq_lora False   Table 7 'Vanilla' (same-type clients, equal weights)
+#   vanilla     FedIT: fsplug.method fedavg, per_architecture True, weights uniform   Table 7
+#               'Vanilla' (same-type clients' LoRA averaged with equal weights; = Table 2's FedIT)
+#   no_pq_rela  rela False, pq_lora False   FedMosaic's gated local + global LoRA without RELA or
+#               PQ-LoRA (not a row of Table 7: it keeps FedMosaic's gates)
 #   no_rela     rela False                  Table 7 '(+) PQ-LoRA' = Table 30 'Equal-weight aggregation'
 #   no_pq       pq_lora False               RELA over conventional LoRA only (not in Table 7)
 #   nb<N>       num_blocks N                Table 29 (N_B); tiny: 1 2 (2-layer pivot), easyvqa: 2 4 8
@@ -44,7 +47,8 @@ case "$setup" in
 esac
 declare -A overrides=(
   [full]=''
-  [vanilla]='fsplug.fedmosaic.rela False fsplug.fedmosaic.pq_lora False'
+  [vanilla]='fsplug.method fedavg fsplug.aggregation.per_architecture True fsplug.aggregation.weights uniform'
+  [no_pq_rela]='fsplug.fedmosaic.rela False fsplug.fedmosaic.pq_lora False'
   [no_rela]='fsplug.fedmosaic.rela False'
   [no_pq]='fsplug.fedmosaic.pq_lora False'
   [ema0.1]='fsplug.fedmosaic.ema_ratio 0.1'
@@ -61,7 +65,7 @@ declare -A overrides=(
   [static_rand_b]='fsplug.data.dynamic False fsplug.fedmosaic.align_b False'
   [static_rand_ab]='fsplug.data.dynamic False fsplug.fedmosaic.align_a False fsplug.fedmosaic.align_b False'
 )
-order=(full vanilla no_rela no_pq)
+order=(full vanilla no_rela no_pq no_pq_rela)
 for n in "${blocks[@]}"; do
   overrides[nb$n]="fsplug.fedmosaic.num_blocks $n"
   overrides[sft_nb$n]="fsplug.fedmosaic.local_only True fsplug.fedmosaic.num_blocks $n"
