@@ -403,3 +403,26 @@ def test_smoke_with_the_tiny_swap_runs_the_paper_yamls_on_a_cpu(tmp_path, capsys
                            '10_FedMosaic_Ours', 'DRAKE-Dynamic', 'seed1.config.yaml')
     with open(swapped) as handle:
         assert '/path/to/' not in handle.read()
+
+
+def test_fedmosaics_perada_rows_distil_across_model_types():
+    """A.6: the distillation baselines share knowledge between heterogeneous models via logits,
+    so no PerAda row of FedMosaic's tables keeps its model types apart."""
+    rows = [(t['table'], r) for t in TABLES if t['paper'] == 'fedmosaic' for r in t['rows']
+            if r.get('method') == 'perada']
+    assert len(rows) >= 6
+    assert not [name for name, r in rows
+                if (r.get('options') or {}).get('fsplug.aggregation.per_architecture')]
+
+
+def test_the_ablation_scripts_vanilla_is_fedit():
+    """Table 7's 'Vanilla' is FedIT (its numbers are Table 2's FedIT row), not FedMosaic's
+    gated modules without RELA and PQ-LoRA."""
+    import subprocess
+    script = os.path.join(os.path.dirname(__file__), '..', 'scripts', 'fedmosaic_ablations.sh')
+    done = subprocess.run(['bash', script, 'tiny', '1'], capture_output=True, text=True,
+                          env={**os.environ, 'DRY': '1', 'CELLS': 'vanilla'})
+    [command] = [line for line in done.stdout.splitlines() if line.startswith('fs-plugins run')]
+    assert command.endswith('fsplug.method fedavg fsplug.aggregation.per_architecture True '
+                            'fsplug.aggregation.weights uniform fsplug.results_dir '
+                            'exp/fedmosaic_ablations/tiny/seed1/vanilla')
