@@ -87,7 +87,8 @@ def test_rouge_l_known_values():
 def test_generation_metrics_mapping():
     assert set(GENERATION_METRICS) == {'vqa_acc', 'vqa_exact', 'iou', 'rougeL', 'bleu', 'meteor',
                                        'bertscore_p', 'bertscore_r', 'bertscore_f1',
-                                       'mgsm_accuracy', 'pass_at_1', 'execution_accuracy'}
+                                       'mgsm_accuracy', 'pass_at_1', 'execution_accuracy',
+                                       'choice_token_acc'}
     assert generation_metric('vqa_acc')(['Yes'], ['yes']) == 1.0
     assert generation_metric('iou')(['[0, 0, 2, 2]'], ['[1, 1, 3, 3]']) == pytest.approx(1 / 7)
     with pytest.raises(KeyError, match='unknown generation metric'):

@@ -109,12 +109,27 @@ def open_images(record: dict) -> list:
     return opened
 
 
+class ChoiceReference(str):
+    """A reference answer (the str itself) with its record's answer options, for a metric that
+    scores the chosen option (fs_plugins.metrics.choice_tokens); every other metric reads it
+    as the plain answer."""
+    choices: tuple[str, ...]
+
+    def __new__(cls, answer: str, choices=()):
+        made = super().__new__(cls, answer)
+        made.choices = tuple(str(c) for c in choices or ())
+        return made
+
+
 def reference_answer(record: dict):
     """What generation-based metrics compare with: the list of acceptable answers when the
-    record has one, else its answer (multimodal) or output (instruction records)."""
+    record has one, else its answer (multimodal) or output (instruction records), with the
+    record's `choices` / `options` when it lists them (a ChoiceReference)."""
     if record.get('answers'):
         return list(record['answers'])
-    return record['answer'] if 'answer' in record else record.get('output', '')
+    answer = record['answer'] if 'answer' in record else record.get('output', '')
+    choices = record.get('choices') or record.get('options')
+    return ChoiceReference(answer, choices) if isinstance(choices, (list, tuple)) and choices else answer
 
 
 def write_jsonl(path: str, records) -> None:

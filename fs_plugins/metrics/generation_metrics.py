@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fs_plugins.core import registry
 from fs_plugins.metrics import bertscore
+from fs_plugins.metrics.choice_tokens import choice_token_accuracy
 from fs_plugins.metrics.detection import detection_iou
 from fs_plugins.metrics.execution import execution_accuracy, pass_at_1
 from fs_plugins.metrics.math_answers import mgsm_accuracy
@@ -17,6 +18,7 @@ from fs_plugins.metrics.vqa import vqa_accuracy, vqa_exact_accuracy
 GENERATION_METRICS = {
     'vqa_acc': vqa_accuracy,
     'vqa_exact': vqa_exact_accuracy,
+    'choice_token_acc': choice_token_accuracy,  # FedMosaic A.6: the chosen option / the gold's words
     'iou': detection_iou,
     'rougeL': rouge_l,
     'bleu': bleu,
