@@ -180,6 +180,13 @@ def test_down_proj_gradient_equals_autograd_and_leaves_ws_frozen(tmp_path):
     assert torch.equal(rela_gradient(model, empty, 'last_down_proj'), torch.zeros(weight.numel()))
 
 
+def test_relas_decay_applies_per_round_by_default():
+    """The paper's Eq. 2 (per gradient) and Algorithm 1 (per round) disagree: the default is
+    the per-round reading, with which the authors tuned a = 0.5."""
+    from fs_plugins.methods.fedmosaic import FedMosaicConfig
+    assert FedMosaicConfig().sanitise_order == 'algorithm' and FedMosaicConfig().ema_ratio == 0.5
+
+
 def test_rela_gradients_in_algorithm_order_mask_noise_then_ema():
     """sanitise_order: algorithm (Algorithm 1): each gradient masked (and noised), the round's
     mean folded into ĝ, ĝ sent."""

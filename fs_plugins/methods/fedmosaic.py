@@ -15,8 +15,10 @@ run's own model (the YAML's, before --client_cfg), which should be the smallest 
 
 RELA (§4.1, Algorithm 1, `tuners.mosaic.rela`): every f steps a client takes the gradient of
 the frozen W_s's last decoder layer's MLP down projection (`gradient_layer`) on its batch,
-folds it into an EMA (Eq. 2), and uploads the EMA masked with the shared mask and noised
-(Eq. 3) with its local modules (`sanitise_order`: Algorithm 1 sanitises first instead). The
+masks it with the shared mask and noises it (Eq. 3), folds the round's mean into an EMA with
+ratio a (Algorithm 1 and the authors' code, where a = 0.5 was tuned: per round) and uploads
+that with its local modules (`sanitise_order: equations`: Eqs. 2-3's reading instead, the EMA
+at every gradient, sanitised once per upload). The
 server keeps every client's latest upload, weights w_ij = softmax_j(cos(g̃_i, g̃_j)/τ) (Eq. 4)
 and sends client i its customised global G_i = Σ_j w_ij L_j: P, Q over all clients (paired by
 block and module path, 'pq/<block>.<module>/P|Q'), conventional LoRA and any other trained
@@ -95,7 +97,7 @@ class FedMosaicConfig:
                                  'code, and the size A.9\'s 8.6 % / 3.4 % fit); lm_head = the '
                                  'output layer (vocab × hidden)',
                                  choices=('last_down_proj', 'lm_head'))
-    sanitise_order: str = option('equations', 'equations = Eqs. 2-3 (Fig. 2): the EMA ĝ of every '
+    sanitise_order: str = option('algorithm', 'equations = Eqs. 2-3 (Fig. 2): the EMA ĝ of every '
                                  'raw gradient, then g̃ = M ⊙ (ĝ + μ·ε) once per upload; '
                                  "algorithm = Algorithm 1 (and the authors' code): each gradient "
                                  "masked and noised, the round's mean folded into the EMA",

@@ -93,7 +93,7 @@ METHODS = {
         'q_init_std': ('float', 0.0, {'ge': 0}),
         'gradient_every': ('int', 10, {'ge': 1}),
         'gradient_layer': ('str', 'last_down_proj', {'choices': ['last_down_proj', 'lm_head']}),
-        'sanitise_order': ('str', 'equations', {'choices': ['equations', 'algorithm']}),
+        'sanitise_order': ('str', 'algorithm', {'choices': ['equations', 'algorithm']}),
         'ema_ratio': ('float', 0.5, {'ge': 0, 'le': 1}),
         'noise_std': ('float', 0.0001, {'ge': 0}),
         'gradient_keep': ('float', 0.4, {'gt': 0, 'le': 1}),
