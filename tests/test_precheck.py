@@ -129,6 +129,12 @@ def test_a_placeholder_left_is_refused_naming_the_key_and_where_it_was_set(tmp_p
         f"you supply: replace it in {clients}"]
 
 
+def test_a_placeholder_does_not_hide_another_mistake():
+    drake = os.path.join(REPO, 'yamls', 'fedmosaic', 'drake_dynamic.yaml')
+    problems = problems_of(pre.precheck, drake, ['federate.total_round_nmu', '2'])
+    assert 'federate.total_round_nmu' in problems[0] and len(problems) == 3   # + the two placeholders
+
+
 def test_the_tiny_audit_of_a_paper_yaml_passes_its_placeholders():
     """`audit --tiny` swaps the model and data for tiny ones: the placeholders do not matter."""
     drake = os.path.join(REPO, 'yamls', 'fedmosaic', 'drake_dynamic.yaml')

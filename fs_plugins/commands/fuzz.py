@@ -24,10 +24,12 @@ from fs_plugins.commands.cli import main
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.schema.fs_keys import FSKeys
 from fs_plugins.schema.options import _hints, _is_section, _list_item, _optional_inner, _resolve_choices, walk_options
+from fs_plugins.schema.placeholders import with_placeholders_filled
 from fs_plugins.schema.plugin import PluginOptions
 from fs_plugins.schema.precheck import precheck
 
 MISSING_ROOT = '/nonexistent/fsplug-fuzz'
+SUPPLIED = MISSING_ROOT + '/supplied'   # where the fuzz puts what a paper YAML's user supplies
 
 
 @dataclass
@@ -158,15 +160,16 @@ def is_client_config(plain: dict) -> bool:
 
 
 def run_mutation(plain: dict, mutation: Mutation, path: str) -> tuple[bool, str]:
-    """Writes the mutated YAML to `path` and runs `fs-plugins run --runner embedded` on it in
-    this process; returns (a clean error naming the culprit, what the command printed)."""
+    """Writes the mutated YAML (its `/path/to/` placeholders filled with paths under SUPPLIED,
+    which do not exist) to `path` and runs `fs-plugins run --runner embedded` on it in this
+    process; returns (a clean error naming the culprit, what the command printed)."""
     import contextlib
     import io
 
     import yaml
 
-    with open(path, 'w', encoding='utf-8') as handle:
-        yaml.safe_dump(mutation.apply(plain), handle)
+    with open(path, 'w', encoding='utf-8') as handle:   # its placeholders filled, as a user has it
+        yaml.safe_dump(mutation.apply(with_placeholders_filled(plain, SUPPLIED)), handle)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed):
@@ -179,14 +182,14 @@ def run_mutation(plain: dict, mutation: Mutation, path: str) -> tuple[bool, str]
 
 
 def checks_before_and_after_imports(plain: dict, mutation: Mutation, path: str) -> tuple[list[str], list[str]]:
-    """Writes the mutated YAML to `path`; (the problems the pre-check reports, those the full
-    load reports), [] where a check passes it."""
+    """Writes the mutated YAML (placeholders filled, as `run_mutation`) to `path`; (the problems
+    the pre-check reports, those the full load reports), [] where a check passes it."""
     import yaml
 
     from fs_plugins.run.config import load_config  # lazy: importing it imports torch
 
     with open(path, 'w', encoding='utf-8') as handle:
-        yaml.safe_dump(mutation.apply(plain), handle)
+        yaml.safe_dump(mutation.apply(with_placeholders_filled(plain, SUPPLIED)), handle)
     found = []
     for check in (precheck, load_config):
         try:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fs_plugins.core.errors import ConfigError
-
 PLACEHOLDER = '/path/to/'
 
 
@@ -64,7 +62,14 @@ def placeholder_problems(layers: list[tuple[Mapping, str]], overridable: bool = 
             for key, (value, source) in effective.items() if is_placeholder(value)]
 
 
-def refuse_placeholders(layers: list[tuple[Mapping, str]], overridable: bool = True) -> None:
-    problems = placeholder_problems(layers, overridable)
-    if problems:
-        raise ConfigError(problems)
+
+def with_placeholders_filled(node: Mapping, root: str) -> dict:
+    """The mapping with every `/path/to/<what>` replaced by `<root>/<what>`: a paper-scale
+    config as a user who filled it in has it (the config fuzzing's starting point)."""
+    def filled(value):
+        if isinstance(value, Mapping):
+            return {k: filled(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [filled(v) for v in value]
+        return value.replace(PLACEHOLDER, root.rstrip('/') + '/') if isinstance(value, str) else value
+    return filled(node)

@@ -31,7 +31,7 @@ from fs_plugins.schema import method_index
 from fs_plugins.schema.fs_source_keys import fs_source_key_tree
 from fs_plugins.schema.loading import check_layers, config_layers, layer_modules
 from fs_plugins.schema.options import _default, _hints, _is_section, _list_item, _optional_inner, option
-from fs_plugins.schema.placeholders import refuse_placeholders
+from fs_plugins.schema.placeholders import placeholder_problems
 from fs_plugins.schema.validate import OPEN_NODE, KnownMethods, fs_defaults, fsplug_defaults
 
 __all__ = ['precheck', 'index_methods', 'render_index', 'INDEX_PATH']
@@ -57,8 +57,8 @@ def precheck(path: str | None, opts: list[str] | None = None, fs: bool = False,
     outside those the plugin reads passes); problems are not prefixed by their source, as FS's
     merges do not prefix them; a missing file is left to FS's own message.
 
-    placeholders: refuse a key whose effective value is still a `/path/to/` placeholder,
-    before any other check (False: for a caller that swaps the model and data for tiny ones,
+    placeholders: also refuse a key whose effective value is still a `/path/to/` placeholder,
+    listed after the other problems (False: for a caller that swaps the model and data for tiny ones,
     as `audit --tiny` does)."""
     if fs and path and not os.path.isfile(path):
         return
@@ -68,19 +68,20 @@ def precheck(path: str | None, opts: list[str] | None = None, fs: bool = False,
         raise
     except Exception:    # noqa: BLE001 -- what the pre-check cannot read, the full check reports
         return
-    if placeholders:
-        refuse_placeholders(layers)
+    left = placeholder_problems(layers) if placeholders else []
     try:
         incomplete = any(layer_modules(layer) for layer, _ in layers)
         known = KnownMethods(index_methods(), complete=not incomplete, registries=False)
         check_layers(layers, {**fs_defaults(), 'fsplug': fsplug_defaults(known)},
                      (fs_source_key_tree() or {OPEN_NODE: True}) if fs else None, known,
                      name_sources=not fs)
-    except ConfigError:
+    except ConfigError as exc:
         if index_matches_sources():
-            raise
+            raise ConfigError(exc.problems + left) from None
     except Exception:    # noqa: BLE001 -- what the pre-check cannot read, the full check reports
-        return
+        pass
+    if left:
+        raise ConfigError(left)
 
 
 def index_matches_sources(index: Mapping | None = None, methods_dir: str = METHODS_DIR) -> bool:
