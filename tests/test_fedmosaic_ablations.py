@@ -149,7 +149,8 @@ def test_training_model_gradient_is_the_last_blocks_p_q_gradient(tmp_path):
     cfg = _cfg(tmp_path, 'fsplug.fedmosaic.rela_model', 'training',
                'fsplug.fedmosaic.num_blocks', '2', 'fsplug.fedmosaic.gradient_every', '1',
                'fsplug.fedmosaic.ema_ratio', '1.0', 'fsplug.fedmosaic.noise_std', '0.0',
-               'fsplug.fedmosaic.align_a', 'False', 'fsplug.fedmosaic.align_b', 'False')
+               'fsplug.fedmosaic.align_a', 'False', 'fsplug.fedmosaic.align_b', 'False',
+               'fsplug.fedmosaic.sanitise_order', 'equations')   # the EMA at every gradient
     built, method, ccfg = _built(cfg, LARGE)
     model = built.model
     last = last_block_pq_layers(model.fedmosaic_pq)
