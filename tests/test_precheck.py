@@ -20,8 +20,9 @@ from fs_plugins.methods.registry import all_methods
 from fs_plugins.run.config import load_config
 from fs_plugins.schema import method_index
 from fs_plugins.schema import precheck as pre
+from fs_plugins.schema.fs_llm import leaves
 from fs_plugins.schema.options import describe
-from fs_plugins.schema.placeholders import is_placeholder, leaves
+from fs_plugins.schema.placeholders import is_placeholder
 from fs_plugins.schema.validate import fs_defaults
 
 REGENERATE = 'python scripts/gen_reference.py'

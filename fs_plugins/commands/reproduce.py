@@ -44,10 +44,12 @@ from fs_plugins.commands.paper_tables import (  # noqa: F401  (the names the tes
     numbers_problems,
     row_dir,
     row_panels,
+    run_info,
     select_rows,
     table_dir,
 )
 from fs_plugins.schema import method_index
+from fs_plugins.schema.fs_llm import assign
 from fs_plugins.schema.loading import read_yaml
 from fs_plugins.schema.placeholders import is_placeholder
 
@@ -203,14 +205,8 @@ def run_cost(results_dir: str) -> dict:
             cost = json.load(handle)
     except (OSError, ValueError):
         return {}
-    info = {}
-    try:
-        with open(os.path.join(results_dir, 'run_info.json'), encoding='utf-8') as handle:
-            info = json.load(handle)
-    except (OSError, ValueError):
-        pass
     return {'seconds': cost.get('seconds'),
-            'peak_bytes': info.get('peak_cuda_memory_bytes') or cost.get('peak_rss_bytes')}
+            'peak_bytes': run_info(results_dir).get('peak_cuda_memory_bytes') or cost.get('peak_rss_bytes')}
 
 
 def tiny_swapped(plan: RunPlan) -> tuple[dict, dict | None]:
@@ -220,27 +216,23 @@ def tiny_swapped(plan: RunPlan) -> tuple[dict, dict | None]:
     plain = read_yaml(os.path.join(REPO, plan.yaml))
     for key, value in plan.keys.items():
         if key not in SMOKE_KEYS:
-            node = plain
-            *parents, last = key.split('.')
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[last] = value
+            assign(plain, key, value)
     clients = read_yaml(os.path.join(REPO, plan.client_cfg)) if plan.client_cfg else None
     return tiny_config(plain, clients)
 
 
-def write_swapped(swapped: tuple[dict, dict | None], results_dir: str) -> tuple[str, str | None]:
-    """The swapped config (and client entries) beside the run: <seed>.config.yaml and
-    <seed>.clients.yaml, what `--smoke --tiny` runs."""
-    plain, clients = swapped
+def swapped_paths(results_dir: str, swapped: tuple[dict, dict | None]) -> tuple[str, str | None]:
+    """Where `--smoke --tiny` writes a run's swapped config and client entries, and runs them:
+    <seed>.config.yaml and <seed>.clients.yaml beside the run's folder."""
+    return results_dir + '.config.yaml', (results_dir + '.clients.yaml' if swapped[1] else None)
+
+
+def write_swapped(swapped: tuple[dict, dict | None], results_dir: str) -> None:
     os.makedirs(os.path.dirname(results_dir), exist_ok=True)
-    paths = []
-    for suffix, content in (('.config.yaml', plain), ('.clients.yaml', clients)):
-        if content:
-            with open(results_dir + suffix, 'w', encoding='utf-8') as handle:
+    for path, content in zip(swapped_paths(results_dir, swapped), swapped):
+        if path:
+            with open(path, 'w', encoding='utf-8') as handle:
                 yaml.safe_dump(content, handle, sort_keys=False, allow_unicode=True)
-        paths.append(results_dir + suffix if content else None)
-    return paths[0], paths[1]
 
 
 def link_run(first: str, results_dir: str) -> None:
@@ -268,25 +260,28 @@ class Runner:
     overrides: list[str]
     dry_run: bool = False
     same_runs: dict = field(default_factory=dict)   # {command: the folder that ran it}
+    plans: dict = field(default_factory=dict)       # {id(row): its RunPlans}
 
     def row(self, row: dict) -> str:
         """Runs a row's command per panel and seed, skipping finished runs; its status."""
         outcome = []
-        for plan in plan_runs(self.table, row, self.mode):
+        self.plans[id(row)] = plans = plan_runs(self.table, row, self.mode)
+        for plan in plans:
             if plan.why_not:
                 print(f"# {row['row']}: {plan.why_not}")
                 return plan.why_not
+            swapped = tiny_swapped(plan) if self.mode.tiny_swap else None   # once for its seeds
             for seed in self.seeds:
-                outcome.append(self.run(row, plan, seed))
+                outcome.append(self.run(row, plan, seed, swapped))
         return ', '.join(dict.fromkeys(outcome))
 
-    def run(self, row: dict, plan: RunPlan, seed: int) -> str:
-        """One run. A run whose command an earlier row of this call already ran (panels that
-        differ only in a setting the tiny stand-in drops, e.g. the LLM or the dataset) links
-        to that run's folder instead of running again."""
+    def run(self, row: dict, plan: RunPlan, seed: int, swapped: tuple | None = None) -> str:
+        """One run (`swapped`: its config and client entries after the tiny swap). A run whose
+        command an earlier row of this call already ran (panels that differ only in a setting
+        the tiny stand-in drops, e.g. the LLM or the dataset) links to that run's folder
+        instead of running again."""
         results_dir = row_dir(self.out, self.table, row, seed, self.mode.tag, plan.panel)
         name = f"{row['row']}" + (f' [{plan.panel}]' if plan.panel else '') + f' seed {seed}'
-        swapped = tiny_swapped(plan) if self.mode.tiny_swap else None
         # with the tiny swap, rows whose swapped configs are equal (e.g. differing in the LLM
         # only) are the same run
         what = json.dumps(swapped, sort_keys=True, default=str) if swapped else \
@@ -306,8 +301,7 @@ class Runner:
         yaml_path, client_cfg, opts = plan.yaml, plan.client_cfg, plan.opts()
         if swapped:
             opts = [part for key, value in SMOKE_KEYS.items() for part in (key, str(value))]
-            yaml_path, client_cfg = (results_dir + '.config.yaml',
-                                     results_dir + '.clients.yaml' if swapped[1] else None)
+            yaml_path, client_cfg = swapped_paths(results_dir, swapped)
             if not self.dry_run:
                 write_swapped(swapped, results_dir)
         command = run_command(yaml_path, client_cfg, opts + self.overrides, seed, results_dir,
@@ -323,7 +317,7 @@ class Runner:
     def cost(self, row: dict) -> dict:
         """A row's seconds (summed over its runs) and peak memory (the largest)."""
         costs = [run_cost(row_dir(self.out, self.table, row, seed, self.mode.tag, plan.panel))
-                 for plan in plan_runs(self.table, row, self.mode) if not plan.why_not
+                 for plan in self.plans.get(id(row), []) if not plan.why_not
                  for seed in self.seeds]
         costs = [c for c in costs if c]
         if not costs:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from fs_plugins.schema.fs_llm import leaves
+
 PLACEHOLDER = '/path/to/'
 
 
@@ -14,18 +16,6 @@ def is_placeholder(value) -> bool:
     if isinstance(value, (list, tuple)):
         return any(is_placeholder(item) for item in value)
     return isinstance(value, str) and PLACEHOLDER in value
-
-
-def leaves(node: Mapping, prefix: str = '') -> list[tuple[str, object]]:
-    """(dotted key, value) of every leaf of a nested mapping (a list is a leaf)."""
-    out = []
-    for key, value in node.items():
-        dotted = f'{prefix}{key}'
-        if isinstance(value, Mapping):
-            out += leaves(value, dotted + '.')
-        else:
-            out.append((dotted, value))
-    return out
 
 
 def without_placeholders(node: Mapping) -> dict:
