@@ -24,11 +24,17 @@ def test_the_registry_finds_the_package_methods():
     assert {'fedavg', 'standalone', 'fedmole', 'flame', 'toy_phased'} <= set(METHODS)
 
 
-@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'bfloat16-autocast'])
 @pytest.mark.parametrize('method', method_params(METHODS))
-def test_tiny_yaml_runs(tmp_path, reference_runs, method, dtype):
+def test_tiny_yaml_runs(tmp_path, monkeypatch, reference_runs, method, dtype):
     """float32: the method's reference run (tests/shared_runs.py, its last round); bfloat16:
-    one round of its own."""
+    one round of its own; bfloat16-autocast: that round with the forward under autocast, as
+    on CUDA (bfloat16 activations meet the float32 adapters: what only a GPU run showed)."""
+    if dtype == 'bfloat16-autocast':
+        from fs_plugins.models import precision
+        monkeypatch.setattr(precision, 'autocast_dtype', lambda device, wanted: (
+            wanted if wanted in (torch.bfloat16, torch.float16) else None))
+        dtype = 'bfloat16'
     if dtype == 'float32':
         reference = reference_runs.of(method)
         results, clients, cfg = reference.results, reference.clients, reference.server.cfg

@@ -109,7 +109,8 @@ class FwdLLM(Method):
         vectors = self._perturbations(flat.numel(), state)
         derivatives, losses = zip(*(self._directional(model, params, unflatten(v, params), batch,
                                                       state) for v in vectors))
-        estimate = forward_gradient(torch.stack(derivatives).float(), vectors)
+        # the perturbations and the estimate live on the CPU (seeded there), whatever the device
+        estimate = forward_gradient(torch.stack(derivatives).float().cpu(), vectors)
         state['gradient'] = estimate if state['gradient'] is None else state['gradient'] + estimate
         state['batches'] += 1
         state['calls'] += 1
@@ -192,7 +193,8 @@ def flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     pieces = flat.split([p.numel() for p in like.values()])
-    return {n: piece.reshape(p.shape).to(p.dtype) for (n, p), piece in zip(like.items(), pieces)}
+    return {n: piece.reshape(p.shape).to(device=p.device, dtype=p.dtype)
+            for (n, p), piece in zip(like.items(), pieces)}
 
 
 def detached(params):

@@ -104,8 +104,9 @@ def image_preparer(processor) -> Callable[[str], torch.Tensor]:
 def audio_preparer(feature_extractor) -> Callable[[str], torch.Tensor]:
     def prepare(path: str) -> torch.Tensor:
         audio = read_wav(path, feature_extractor.sampling_rate)
-        return feature_extractor(audio, sampling_rate=feature_extractor.sampling_rate,
-                                 return_tensors='pt')['input_features']
+        with torch.autocast('cpu', enabled=False):   # features in float32 whoever calls
+            return feature_extractor(audio, sampling_rate=feature_extractor.sampling_rate,
+                                     return_tensors='pt')['input_features']
     return prepare
 
 

@@ -39,7 +39,7 @@ def autocast_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | No
 def forward_context(device: torch.device, dtype: torch.dtype):
     """Context of a training or evaluation forward (autocast on CUDA, nothing elsewhere)."""
     cast = autocast_dtype(device, dtype)
-    return torch.autocast('cuda', dtype=cast) if cast is not None else contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=cast) if cast is not None else contextlib.nullcontext()
 
 
 def grad_scaler(device: torch.device, dtype: torch.dtype):

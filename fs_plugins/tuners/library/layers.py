@@ -41,6 +41,13 @@ def _sampled(idx: torch.Tensor, left: torch.Tensor, right_t: torch.Tensor) -> to
     return torch.sparse.sampled_addmm(pattern, left, right_t.t(), beta=0.0).values().view(idx.shape)
 
 
+def _in_dtype_of(factor: torch.Tensor):
+    """No autocast around the sparse kernels: they run in the trainable factor's dtype (float32
+    over a bfloat16 base), as autocast has no rule for them and would mix dtypes; autograd
+    casts the gradients back to the inputs' dtypes."""
+    return torch.autocast(factor.device.type, enabled=False)
+
+
 class _SelectedInputs(torch.autograd.Function):
     """low_tk = a_{e_tk}ᵀ x_t for the q selected experts e_t of token t (idx sorted per row):
     T·q·d_in multiply-adds forward (SDDMM) and backward (sparse @ dense)."""
@@ -48,12 +55,14 @@ class _SelectedInputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, idx, A):
         ctx.save_for_backward(idx, A)
-        return _sampled(idx, x, A)
+        with _in_dtype_of(A):
+            return _sampled(idx, x.to(A.dtype), A)
 
     @staticmethod
     def backward(ctx, grad_low):
         idx, A = ctx.saved_tensors
-        return _selection(idx, grad_low.contiguous(), A.shape[0]) @ A, None, None
+        with _in_dtype_of(A):
+            return _selection(idx, grad_low.to(A.dtype).contiguous(), A.shape[0]) @ A, None, None
 
 
 class _SelectedOutputs(torch.autograd.Function):
@@ -63,12 +72,14 @@ class _SelectedOutputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, coef, idx, B_t):
         ctx.save_for_backward(idx, B_t)
-        return _selection(idx, coef.contiguous(), B_t.shape[0]) @ B_t
+        with _in_dtype_of(B_t):
+            return _selection(idx, coef.to(B_t.dtype).contiguous(), B_t.shape[0]) @ B_t
 
     @staticmethod
     def backward(ctx, grad_out):
         idx, B_t = ctx.saved_tensors
-        return _sampled(idx, grad_out.contiguous(), B_t), None, None
+        with _in_dtype_of(B_t):
+            return _sampled(idx, grad_out.to(B_t.dtype).contiguous(), B_t), None, None
 
 
 def selected_inputs(x, idx, A):

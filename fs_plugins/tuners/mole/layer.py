@@ -77,7 +77,7 @@ class RoutedLoraExperts(nn.Module):
         low = torch.bmm(inputs, a_factors.transpose(1, 2)) * weights
         outputs = torch.bmm(low, b_factors_t).reshape(-1, self.out_features)
         out = tokens.new_zeros(tokens.shape[0] + 1, self.out_features)   # + padding's row
-        out.index_add_(0, blocks.token_of_row, outputs)
+        out.index_add_(0, blocks.token_of_row, outputs.to(out.dtype))   # bmm under autocast: bf16
         return out[:-1].reshape(*lead_shape, self.out_features)
 
 
