@@ -275,3 +275,40 @@ def test_smartfed_sends_less_than_fedit_at_the_paper_sizes(model_type, layers, d
                              1, activations=False)
     assert hidden.sent_params == layers * 2 * 64 * d_in
     assert hidden.up_ratio >= 1.0
+
+
+def test_the_activation_probe_keeps_no_reference_to_the_model():
+    """An op that saves its own output (tanh here) made the probe's saved-tensor hook keep a
+    cycle through autograd's graph that the collector cannot see: every probe's model and
+    logits stayed alive (18 GiB at LLaVA-Llama3.2-1B's width)."""
+    import gc
+    import weakref
+    model = Toy()
+    alive = weakref.ref(model)
+    total, largest = saved_activation_bytes(model, {'x': torch.randn(3, 4)})
+    assert total >= largest >= 3 * 4 * 4
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_fedmosaic_memory_counts_every_term_beside_sft_and_table_15(tmp_path):
+    """The global modules (buffers), W_s's own copy where it is not the client's base, RELA's
+    gradient state; SFT's peak on the same client and Table 15's 1.053 beside the ratio."""
+    from fs_plugins.commands.estimate import format_table
+    from fs_plugins.run.config import client_config
+    cfg = load_config(tiny_yaml_of('fedmosaic'), ['data.root', str(tmp_path)])
+    own = estimate_client(cfg, 1, 32)
+    assert 'buffers' in own.other_note and 'RELA gradient state' in own.other_note
+    assert 'W_s copy' not in own.other_note          # the client's base is W_s: no copy
+    larger = estimate_client(client_config(cfg, {'model': {'type': 'tiny-llama-large@fsplug_llm'}}), 2, 32)
+    assert 'W_s copy (RELA)' in larger.other_note and larger.other_gib > own.other_gib
+    sft = estimate_client(load_config(tiny_yaml_of('fedmosaic'), [
+        'data.root', str(tmp_path), 'fsplug.method', 'standalone']), 1, 32)
+    assert own.memory_claim == 1.053 and own.sft_peak_gib == sft.peak_gib > 0
+    assert own.memory_ratio == own.peak_gib / sft.peak_gib
+    table = format_table([own, larger])
+    assert 'Memory beside SFT' in table and '1.053' in table
+    copied = estimate_client(load_config(tiny_yaml_of('fedmosaic'), [
+        'data.root', str(tmp_path), 'fsplug.fedmosaic.small_shares_base', 'False']), 1, 32)
+    assert 'W_s copy (RELA)' in copied.other_note

@@ -180,6 +180,40 @@ def test_down_proj_gradient_equals_autograd_and_leaves_ws_frozen(tmp_path):
     assert torch.equal(rela_gradient(model, empty, 'last_down_proj'), torch.zeros(weight.numel()))
 
 
+def test_ws_shares_the_clients_own_frozen_base_and_gives_the_copys_gradient(tmp_path):
+    """A client whose model is W_s takes RELA's gradient from its own base with the adapters
+    off (no second copy: Table 15's memory), equal to the separate copy's; trained adapters
+    (P, Q moved, B non-zero) do not reach it, nor does the training mode; another model type,
+    or small_shares_base False, keeps the copy."""
+    from fs_plugins.tuners.mosaic.rela import frozen_base_gradient
+    cfg = _cfg(tmp_path)
+    built, method, ccfg = _built(cfg)
+    model = built.model
+    state = method.init_client_state(model, ccfg)
+    assert state['ws_own_base']
+    with torch.no_grad():   # as after training: the adapters change the model's output
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn_like(param))
+    base = load_base(model_spec(cfg))
+    records = [{'instruction': 'add 2 and 3', 'input': '', 'output': '5'},
+               {'instruction': 'reverse abc', 'input': '', 'output': 'cba'}]
+    batch = base.codec.collate([base.codec.encode(r) for r in records])
+    model.train()
+    shared = frozen_base_gradient(model, batch, 'last_down_proj')
+    assert model.training and not any(p.grad is not None for p in model.parameters())
+    torch.testing.assert_close(shared, rela_gradient(base.model, batch, 'last_down_proj'))
+    with torch.no_grad():
+        adapted = model(**batch).loss
+        with model.disable_adapter():
+            assert not torch.equal(adapted, model(**batch).loss)   # the adapters were on again
+    other = _built(cfg, LARGE)
+    assert not other[1].init_client_state(other[0].model, other[2])['ws_own_base']
+    copy_cfg = _cfg(tmp_path, 'fsplug.fedmosaic.small_shares_base', 'False')
+    built, method, ccfg = _built(copy_cfg)
+    assert not method.init_client_state(built.model, ccfg)['ws_own_base']
+
+
 def test_relas_decay_applies_per_round_by_default():
     """The paper's Eq. 2 (per gradient) and Algorithm 1 (per round) disagree: the default is
     the per-round reading, with which the authors tuned a = 0.5."""
@@ -263,7 +297,7 @@ def test_rela_gradient_of_an_accumulated_step_is_the_whole_batch_gradient(order)
     rela.record(torch.full((4,), 4.0), tokens=3)
     rela.end_step()
     if order == 'algorithm':
-        assert len(rela.round) == 1
+        assert rela.round_count == 1
     else:
         torch.testing.assert_close(rela.ema, ema_update(None, torch.full((4,), 13.0 / 4), 1.0))
     torch.testing.assert_close(rela.end_round(), torch.full((4,), (1.0 + 12.0) / 4))

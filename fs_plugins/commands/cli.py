@@ -100,12 +100,13 @@ def list_methods(modules: list[str]) -> int:
     return 0
 
 
-def after_precheck(args, body) -> int:
+def after_precheck(args, body, placeholders: bool = True) -> int:
     """`body()` (it imports torch) after the YAML's pre-check; a config error, a missing file or
-    a bad value ends in one message and exit code 2."""
+    a bad value ends in one message and exit code 2. placeholders: refuse `/path/to/` values
+    (not under --tiny, which drops them, nor for a command that reads no data)."""
     try:
         check_before_imports(args.cfg, args.opts, args.client_cfg,
-                             placeholders=not getattr(args, 'tiny', False))
+                             placeholders=placeholders and not getattr(args, 'tiny', False))
     except ConfigError as exc:
         return _config_error(exc)
     logging.basicConfig(level=logging.WARNING)
@@ -129,7 +130,9 @@ def estimate(args) -> int:
               f'quantization {cfg.fsplug.model.quantization}, {cfg.train.optimizer.type}):')
         print(format_table(estimates))
         return 0
-    return after_precheck(args, body)
+    # the estimate reads no data: a data path left as a placeholder does not stop it (a model
+    # placeholder fails where the architecture is read, naming the path)
+    return after_precheck(args, body, placeholders=False)
 
 
 def audit(args) -> int:

@@ -72,6 +72,22 @@ class Estimate:
     down_note: str = ''             # how mb_down was found when not after one aggregation
     claim_ratio: float | None = None    # the paper's up ratio (contract.claim), if any
     claim_source: str = ''
+    other_gib: float = 0.0          # buffers + the method's memory_terms (in the peaks)
+    other_note: str = ''            # those terms one by one
+    sft_peak_gib: float | None = None              # SFT (standalone) on the same client config,
+    sft_peak_checkpointed_gib: float | None = None  # where the paper states a memory ratio
+    memory_claim: float | None = None
+    memory_source: str = ''
+
+    @property
+    def memory_ratio(self) -> float | None:
+        """This method's peak over SFT's (None without SFT's figure)."""
+        return self.peak_gib / self.sft_peak_gib if self.peak_gib and self.sft_peak_gib else None
+
+    @property
+    def memory_ratio_checkpointed(self) -> float | None:
+        return (self.peak_checkpointed_gib / self.sft_peak_checkpointed_gib
+                if self.peak_checkpointed_gib and self.sft_peak_checkpointed_gib else None)
 
     @property
     def up_ratio(self) -> float | None:
@@ -100,6 +116,18 @@ def frozen_weight_bytes(model: torch.nn.Module, frozen: dict, quantization: str)
 
 def _tensor_bytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def other_memory(method, model: torch.nn.Module, cfg) -> dict[str, int]:
+    """The bytes beside weights, trainable tensors, optimiser state and activations: the
+    model's buffers (e.g. FedMosaic's frozen global modules) and `Method.memory_terms`."""
+    terms = {'buffers': sum(b.numel() * b.element_size() for b in model.buffers())}
+    terms.update(method.memory_terms(model, cfg))
+    return {name: int(size) for name, size in terms.items() if size}
+
+
+def other_memory_note(terms: dict[str, int]) -> str:
+    return ', '.join(f'{name} {size / GIB:.3f} GiB' for name, size in terms.items())
 
 
 # ---------------------------------------------------------------- communication
@@ -191,17 +219,25 @@ def saved_activation_bytes(model: torch.nn.Module, batch: dict) -> tuple[int, in
     training forward of `model` on `batch` (parameters and buffers left out)."""
     weights = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     saved: dict[int, int] = {}
+    kept = []   # alive until the forward ends, as in training (a freed address is not reused)
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
             saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
-        return tensor
+            kept.append(tensor)
+        # not the tensor: an op that saves its own output would hold it from its graph node
+        # (a cycle through C++ the garbage collector cannot see: every probe's model leaked)
+        return None
+
+    def unpack(_):
+        raise RuntimeError('the activation probe runs no backward pass')
 
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         output = model(**batch)
     sizes = list(saved.values()) + [output.loss.numel() * output.loss.element_size()]
+    kept.clear()
     return sum(sizes), max(sizes)
 
 
@@ -251,6 +287,12 @@ def _probe(cfg, method_cls, layers: dict, samples: int, seq_len: int,
     probe_cfg = copy.deepcopy(cfg)
     probe_cfg.fsplug.train.gradient_checkpointing = checkpointing
     probe_cfg.fsplug.model.quantization = 'none'   # activations do not depend on it
+    # options bounded by the depth (FedMosaic's N_B) at 1 in every probe: they fit one layer,
+    # and the increment of the second layer is an ordinary one, as most layers are
+    options = getattr(probe_cfg.fsplug, method_cls.name, None)
+    for key in method_cls.contract.depth_options:
+        if options is not None and key in options:
+            options[key] = min(int(options[key]), 1)
     with architecture_only(device='cpu', layers=layers):
         method = method_cls(probe_cfg)
         built = build_model(probe_cfg, method, share_frozen=False)
@@ -261,8 +303,9 @@ def _probe(cfg, method_cls, layers: dict, samples: int, seq_len: int,
     config = getattr(built.model.config, 'text_config', None) or built.model.config
     logits = batch['input_ids'].numel() * int(getattr(config, 'vocab_size', 0) or 0) * 4
     sent = method.shared_tensors(built.model, built.trainable_names)
-    return torch.tensor([saved, logits, _tensor_bytes(sent), sum(t.numel() for t in sent.values())],
-                        dtype=torch.float64)
+    figures = torch.tensor([saved, logits, _tensor_bytes(sent), sum(t.numel() for t in sent.values())],
+                           dtype=torch.float64)
+    return figures
 
 
 def memoised_probe(cfg, method_cls, seq_len: int):
@@ -304,9 +347,12 @@ def scaled_probe(probe, depths: dict, batch: int, checkpointing: bool) -> torch.
 
 
 # ---------------------------------------------------------------- per client
-def estimate_client(cfg, client: int, seq_len: int | None = None, activations: bool = True) -> Estimate:
+def estimate_client(cfg, client: int, seq_len: int | None = None, activations: bool = True,
+                    beside_sft: bool = True) -> Estimate:
     """One client's estimate; `activations` False skips the activation probe (the forwards at
-    1-2 layers: seconds instead of minutes at 7B widths) and leaves those columns empty."""
+    1-2 layers: seconds instead of minutes at 7B widths) and leaves those columns empty.
+    Where the method's paper states a memory ratio to SFT (`PaperClaim.memory_ratio`) and
+    `beside_sft`, SFT's peaks on the same client config are estimated too."""
     method_cls = get_method_class(cfg.fsplug.method)
     method = method_cls(cfg)
     if cfg.fsplug.model.quantization != 'none' and method.modifies_frozen_weights:
@@ -324,7 +370,8 @@ def estimate_client(cfg, client: int, seq_len: int | None = None, activations: b
     weights = frozen_weight_bytes(model, frozen, cfg.fsplug.model.quantization)
     adapters = 4 * trainable_count
     optimizer = optimizer_state_bytes(cfg.train.optimizer) * trainable_count
-    static = weights + 2 * adapters + optimizer
+    other = other_memory(method, model, sized)
+    static = weights + 2 * adapters + optimizer + sum(other.values())
     batch, seq = int(cfg.dataloader.batch_size), int(seq_len or cfg.llm.tok_len)
     comm = communication(method_cls, method, cfg, built, client)
     acts, sent, note = (None,) * 4, (4.0 * trainable_count, trainable_count), ''
@@ -352,10 +399,28 @@ def estimate_client(cfg, client: int, seq_len: int | None = None, activations: b
     if trainable and not frozen:
         note = '; '.join(filter(None, [note, full_finetune_note(adapters, optimizer)]))
     mb_up = (sent[0] + comm['mb_extra'] * 1e6) / 1e6
+    comm.update(other_gib=sum(other.values()) / GIB, other_note=other_memory_note(other),
+                **sft_peaks(method_cls, cfg, client, seq_len, activations and beside_sft))
     return Estimate(client, sum(p.numel() for p in frozen.values()), trainable_count, sent[1],
                     weights / GIB, adapters / GIB, optimizer / GIB,
                     *[None if a is None else float(a) for a in acts],
                     mb_up=mb_up, batch=batch, seq_len=seq, note=note, **comm)
+
+
+SFT_METHOD = 'standalone'   # Table 15's SFT: one LoRA, one forward and backward per step
+
+
+def sft_peaks(method_cls, cfg, client: int, seq_len, wanted: bool) -> dict:
+    """Estimate fields of SFT's peaks on this client config, where the paper states a memory
+    ratio (empty otherwise)."""
+    claim: PaperClaim | None = method_cls.contract.claim
+    if not wanted or claim is None or claim.memory_ratio is None or method_cls.name == SFT_METHOD:
+        return {}
+    sft_cfg = copy.deepcopy(cfg)
+    sft_cfg.fsplug.method = SFT_METHOD
+    sft = estimate_client(sft_cfg, client, seq_len, activations=True, beside_sft=False)
+    return {'sft_peak_gib': sft.peak_gib, 'sft_peak_checkpointed_gib': sft.peak_checkpointed_gib,
+            'memory_claim': claim.memory_ratio, 'memory_source': claim.memory_source}
 
 
 def full_finetune_note(weight_bytes: float, optimizer_bytes: float) -> str:
@@ -422,18 +487,47 @@ def format_table(estimates: list[Estimate]) -> str:
     def gib(value):
         return '–' if value is None else f'{value:.2f}'
     header = ('| client | frozen params | trainable | sent / round | weights GiB | adapters + grads '
-              '+ optimiser GiB | activations GiB (checkpointed) | peak GiB (checkpointed) | '
-              'MB up / down |')
-    rows = [header, '|' + '---|' * 9]
+              '+ optimiser GiB | buffers + method state GiB | activations GiB (checkpointed) | '
+              'peak GiB (checkpointed) | MB up / down |')
+    rows = [header, '|' + '---|' * 10]
     for e in estimates:
         rows.append(f'| {e.client} | {e.frozen_params:,} | {e.trainable_params:,} | '
                     f'{e.sent_params:,} | {e.weights_gib:.2f} | '
-                    f'{2 * e.adapters_gib + e.optimizer_gib:.3f} | '
+                    f'{2 * e.adapters_gib + e.optimizer_gib:.3f} | {e.other_gib:.3f} | '
                     f'{gib(e.activations_gib)} ({gib(e.activations_checkpointed_gib)}) | '
                     f'{gib(e.peak_gib)} ({gib(e.peak_checkpointed_gib)}) | '
                     f'{e.mb_up:.1f} / {e.mb_down:.1f} |')
     notes = [f'client {e.client}: {e.note}' for e in estimates if e.note]
+    notes += [f'client {e.client}: {e.other_note}' for e in estimates if e.other_note]
     first = estimates[0]
+    memory = memory_table(estimates)
     return '\n'.join(rows + [f'batch {first.batch} × {first.seq_len} text tokens per sample '
                              f'(plus image tokens)'] + notes
+                     + (['', 'Memory beside SFT (the paper\'s ratio):', memory] if memory else [])
                      + ['', 'Communication per client and round:', communication_table(estimates)])
+
+
+def memory_table(estimates: list[Estimate]) -> str:
+    """Peak memory over SFT's beside the paper's ratio, clients with the same figures in one
+    row ('' when no estimate has SFT's figure)."""
+    def gib(value):
+        return '–' if value is None else f'{value:.2f}'
+
+    def ratio(value):
+        return '–' if value is None else f'{value:.3f}'
+    groups: dict[tuple, list[int]] = {}
+    for e in estimates:
+        if e.sft_peak_gib is None:
+            continue
+        key = (e.peak_gib, e.peak_checkpointed_gib, e.sft_peak_gib, e.sft_peak_checkpointed_gib,
+               e.memory_ratio, e.memory_ratio_checkpointed, e.memory_claim)
+        groups.setdefault(key, []).append(e.client)
+    if not groups:
+        return ''
+    rows = ['| clients | peak GiB (checkpointed) | SFT peak GiB (checkpointed) | ratio (checkpointed) '
+            '| paper |', '|' + '---|' * 5]
+    for (peak, peak_ckpt, sft, sft_ckpt, measured, measured_ckpt, claim), clients in groups.items():
+        rows.append(f'| {_client_ranges(clients)} | {gib(peak)} ({gib(peak_ckpt)}) | {gib(sft)} '
+                    f'({gib(sft_ckpt)}) | {ratio(measured)} ({ratio(measured_ckpt)}) | {ratio(claim)} |')
+    source = next(e.memory_source for e in estimates if e.sft_peak_gib is not None)
+    return '\n'.join(rows + [f'SFT = fsplug.method {SFT_METHOD} on the same client config; paper: {source}'])

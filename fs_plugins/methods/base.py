@@ -65,10 +65,15 @@ class PaperClaim:
 
     `up_ratio`: the method's bytes uploaded per client per round over FedAvg-LoRA's on the same
     model and targets (None when the paper gives no ratio); `source`: where the paper says so
-    (table, section) and in its words; `tolerance`: the relative difference the audit accepts."""
+    (table, section) and in its words; `tolerance`: the relative difference the audit accepts.
+    `memory_ratio`: the method's training memory over SFT's (`standalone`: one LoRA, one
+    forward and backward) on the same model, as `memory_source` says; `fs-plugins estimate`
+    prints its own ratio beside it."""
     source: str
     up_ratio: float | None = None
     tolerance: float = 0.10
+    memory_ratio: float | None = None
+    memory_source: str = ''
 
 
 @dataclass(frozen=True)
@@ -252,6 +257,13 @@ class Method:
         {key: (shape, dtype)} for another dtype; `model` is the adapted model (possibly on the
         meta device), `cfg` the client's config. Where the payload varies by round (e.g. only
         in a warm-up) give its largest round. Default: no extra payload."""
+        return {}
+
+    def memory_terms(self, model: torch.nn.Module, cfg) -> dict[str, int]:
+        """Bytes a client holds while training beside the model's weights, buffers, trainable
+        tensors, their gradients, the optimiser's state and the activations, by what they are
+        (e.g. FedMosaic's W_s copy and RELA state), for `fs-plugins estimate`; `model` as in
+        `extra_payload_shapes` (possibly on the meta device). Default: none."""
         return {}
 
     def client_metrics(self, model: torch.nn.Module, state: dict) -> dict[str, float]:

@@ -51,7 +51,7 @@ from fs_plugins.methods.base import Contract, Method, PaperClaim, differing_clie
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import register_method
 from fs_plugins.methods.specs import model_spec, split_spec
-from fs_plugins.models.builders import load_base
+from fs_plugins.models.builders import architecture_only, load_base, sizing_architecture_only
 from fs_plugins.schema import option
 from fs_plugins.schema.options import Cfg, to_plain
 from fs_plugins.tuners.mosaic.alignment import Pivot, align_to_pivot
@@ -59,12 +59,15 @@ from fs_plugins.tuners.mosaic.layer import GATE_ATTR, MOSAIC_ATTR, MosaicLinear
 from fs_plugins.tuners.mosaic.model import decoder_layer_name, inject_mosaic
 from fs_plugins.tuners.mosaic.rela import (
     RelaGradients,
+    frozen_base_gradient,
     gradient_weight,
+    is_adapter_parameter,
     labelled_tokens,
     last_block_pq_gradient,
     last_block_pq_layers,
     quantise_linear_weights,
     rela_gradient,
+    rela_state_bytes,
 )
 from fs_plugins.tuners.mosaic.ws_batches import RecordIndex, encode_for
 
@@ -165,6 +168,11 @@ class FedMosaicConfig:
                                              'and dequantised as bitsandbytes stores it (8bit: '
                                              'row-wise absmax int8; 4bit: NF4 in blocks of 64), '
                                              'simulated on any device', choices=('none', '8bit', '4bit'))
+    small_shares_base: bool = option(True, "RELA's W_s is the client's own frozen base (its "
+                                          'adapters switched off, eval mode) when they are the '
+                                          'same model (builder, model.type, no k-bit weights) and '
+                                          "only adapters train: no second copy (Table 15's memory). "
+                                          'False: W_s is always its own frozen copy')
     align_a: bool = option(True, "fit a non-pivot model's PQ-LoRA A to the pivot's (L2, Eq. 20); "
                                  "False: A keeps its random orthonormal start (Table 32 'Random' A)")
     align_b: bool = option(True, "map a non-pivot model's PQ-LoRA B through CCA to the pivot's "
@@ -266,7 +274,11 @@ class FedMosaic(Method):
                     "its LoRA becomes P, Q) with W_s = Llama3.2-1B's last down_proj (2048 × 8192 = "
                     "8.6% of the 3B's LoRA); computed exactly (P, Q counted) 0.894; a 1B client "
                     '0.83 (docs/fedmosaic.md)'),
-            up_ratio=0.891))
+            up_ratio=0.891,
+            memory_ratio=1.053,
+            memory_source=('A.8, Table 15: "Relative M to SFT (Bytes)" 1.053 for FedMosaic '
+                           '(overhead type PQ-LoRA); "the dual adapter only consumes about 5% '
+                           'additional memory cost compared to using a single LoRA adapter"')))
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -374,10 +386,10 @@ class FedMosaic(Method):
         return model
 
     def after_build(self, model, codec, cfg) -> None:
-        """A non-pivot model aligns its PQ-LoRA A, B to the pivot's (cached). A model built on
-        the meta device (shapes only, `fs-plugins estimate`) is not aligned: alignment changes
-        values, not shapes."""
-        if next(model.parameters()).is_meta:
+        """A non-pivot model aligns its PQ-LoRA A, B to the pivot's (cached). A model built for
+        `fs-plugins estimate` (meta device, or random weights for its activation probe) is not
+        aligned: alignment changes values, not shapes."""
+        if next(model.parameters()).is_meta or sizing_architecture_only():
             return
         self.client_codec = codec   # RELA traces its batches back to records with it
         hp = self.hparams
@@ -408,7 +420,20 @@ class FedMosaic(Method):
                              mask_seed=derive_seed(cfg.seed, 'fedmosaic-mask'),
                              noise_seed=derive_seed(cfg.seed, 'fedmosaic-noise', self.client_id),
                              order=hp.sanitise_order)
-        return {'rela': rela, 'small_cfg': self.small_config(cfg), 'type_ids': self._type_ids(cfg)}
+        return {'rela': rela, 'small_cfg': self.small_config(cfg), 'type_ids': self._type_ids(cfg),
+                'ws_own_base': self.ws_is_own_base(model, cfg)}
+
+    def ws_is_own_base(self, model, cfg) -> bool:
+        """Whether RELA's W_s is this client's own frozen base (small_shares_base): the same
+        builder and model.type, full-precision weights on both sides, and nothing trained but
+        adapters (peft's disable_adapter then gives the pre-trained model)."""
+        hp, small = self.hparams, self.small_config(cfg)
+        same_model = (model_type_id(cfg.fsplug.model.builder, cfg.model.type)
+                      == model_type_id(small.fsplug.model.builder, small.model.type))
+        only_adapters = all(is_adapter_parameter(n) for n, p in model.named_parameters()
+                            if p.requires_grad)
+        return (hp.small_shares_base and same_model and only_adapters and hp.small_quantization == 'none'
+                and cfg.fsplug.model.quantization == 'none' and hasattr(model, 'disable_adapter'))
 
     def small_model(self, state, device):
         """W_s on `device`: the frozen pre-trained model (k-bit where small_quantization says),
@@ -431,7 +456,10 @@ class FedMosaic(Method):
 
     def loss(self, model, batch, state):
         rela = state['rela']
-        if self.uses_small_model() and rela.due():
+        if self.uses_small_model() and rela.due() and state['ws_own_base']:
+            rela.record(frozen_base_gradient(model, batch, self.hparams.gradient_layer),
+                        labelled_tokens(batch))
+        elif self.uses_small_model() and rela.due():
             small_batch = self.small_batch(batch, state)
             if small_batch is not None:
                 small = self.small_model(state, batch['input_ids'].device)
@@ -473,7 +501,8 @@ class FedMosaic(Method):
             module, _, leaf = name.rpartition('.')
             if module.endswith(f'.{MOSAIC_ATTR}') and leaf in ('P', 'Q'):
                 name = f'{PQ_PREFIX}{pq[module[:-len(MOSAIC_ATTR) - 1]]}/{leaf}'
-            out[name] = param.detach().to('cpu').clone()
+            value = param.detach()
+            out[name] = value if value.is_meta else value.to('cpu').clone()   # meta: estimate's shapes
         return out
 
     def extra_payload_shapes(self, model, cfg):
@@ -483,11 +512,34 @@ class FedMosaic(Method):
             if self.hparams.rela_model == 'training':
                 r = int(cfg.fsplug.model.lora.r)
                 numel = len(last_block_pq_layers(model.fedmosaic_pq)) * (r * r + r)
+            elif self.ws_is_own_base(model, cfg):
+                numel = gradient_weight(model, self.hparams.gradient_layer).numel()
             else:
                 small = load_base(model_spec(self.small_config(cfg))).model
                 numel = gradient_weight(small, self.hparams.gradient_layer).numel()
             shapes[GRAD_KEY] = (max(1, round(self.hparams.gradient_keep * numel)),)
         return shapes
+
+    def memory_terms(self, model, cfg):
+        """W_s's own copy (when it is not this client's base: another model, k-bit, or
+        small_shares_base False) and RELA's gradient state (mask, EMA, one step's gradient);
+        the global modules are buffers, which the estimate counts for every method."""
+        if not self.takes_rela_gradient():
+            return {}
+        hp, terms = self.hparams, {}
+        if hp.rela_model == 'training':
+            numel = len(last_block_pq_layers(model.fedmosaic_pq)) * (int(cfg.fsplug.model.lora.r) ** 2
+                                                                     + int(cfg.fsplug.model.lora.r))
+        elif self.ws_is_own_base(model, cfg):
+            numel = gradient_weight(model, hp.gradient_layer).numel()
+        else:
+            with architecture_only(device='meta'):
+                small = load_base(model_spec(self.small_config(cfg))).model
+            terms['W_s copy (RELA)'] = sum(p.numel() * p.element_size() for p in small.parameters())
+            numel = gradient_weight(small, hp.gradient_layer).numel()
+        kept = max(1, round(hp.gradient_keep * numel))
+        terms['RELA gradient state'] = rela_state_bytes(hp.sanitise_order, numel, kept)
+        return terms
 
     def client_extra(self, model, state):
         own, pivot = state['type_ids']

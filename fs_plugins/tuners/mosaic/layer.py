@@ -103,9 +103,10 @@ class MosaicLinear(LoraLinear):
             shared = F.linear(projected, state.global_P) + state.global_Q
             delta = F.linear((1 - gate) * local + gate * shared, lora_b)
         else:
-            local = F.linear(F.linear(inputs, lora_a), lora_b)
-            shared = F.linear(F.linear(inputs, state.global_A), state.global_B)
-            delta = (1 - gate) * local + gate * shared
+            # (1 - g) B_l A_l x + g B_g A_g x, gated in rank space: what autograd keeps for the
+            # gate is r-wide, not two d_out-wide outputs (Table 15's memory)
+            local = F.linear((1 - gate) * F.linear(inputs, lora_a), lora_b)
+            delta = local + F.linear(gate * F.linear(inputs, state.global_A), state.global_B)
         return result + (delta * output_scale(self, state)).to(result.dtype)
 
 

@@ -41,7 +41,7 @@ import torch
 
 from fs_plugins.aggregation.mosaic import ema_update, fake_quantise, sanitise_gradient, shared_mask
 from fs_plugins.data.instruction import IGNORE_INDEX
-from fs_plugins.tuners.mosaic.layer import MOSAIC_ATTR
+from fs_plugins.tuners.mosaic.layer import GATE_ATTR, MOSAIC_ATTR
 
 GRADIENT_LAYERS = ('last_down_proj', 'lm_head')
 SANITISE_ORDERS = ('equations', 'algorithm')
@@ -134,6 +134,26 @@ def rela_gradient(model: torch.nn.Module, batch: dict, gradient_layer: str) -> t
     return weight_gradient(model, batch, gradient_weight(model, gradient_layer))
 
 
+def is_adapter_parameter(name: str) -> bool:
+    """Whether a trainable parameter belongs to an adapter (peft's LoRA, FedMosaic's P, Q and
+    gates, peft's modules_to_save copies): switched off, the model is its frozen base."""
+    return any(part in name for part in ('lora_', f'.{MOSAIC_ATTR}.', GATE_ATTR,
+                                         'modules_to_save'))
+
+
+def frozen_base_gradient(model: torch.nn.Module, batch: dict, gradient_layer: str) -> torch.Tensor:
+    """rela_gradient of the pre-trained model under a peft `model`'s adapters: the same model
+    with its adapters off (peft's disable_adapter) and in eval mode, as W_s's own copy runs;
+    W_s then needs no second copy of the base's weights."""
+    was_training = model.training
+    model.eval()
+    try:
+        with model.disable_adapter():
+            return rela_gradient(model, batch, gradient_layer)
+    finally:
+        model.train(was_training)
+
+
 def weight_gradient(model: torch.nn.Module, batch: dict, weight: torch.Tensor) -> torch.Tensor:
     """∂ mean-CE / ∂ `weight` (a parameter of frozen `model`) on one batch by autograd,
     flattened (numel,) float32; zeros when the batch has no labelled token. Only `weight`
@@ -200,7 +220,10 @@ class RelaGradients:
         self.noise_std, self.ema_ratio, self.mask_seed = noise_std, ema_ratio, mask_seed
         self.generator = torch.Generator().manual_seed(noise_seed)
         self.mask: torch.Tensor | None = None
-        self.round: list[torch.Tensor] = []      # 'algorithm': this round's sanitised gradients
+        # 'algorithm': the sum and count of this round's sanitised gradients (a running sum: one
+        # kept-size vector whatever the round's length)
+        self.round_sum: torch.Tensor | None = None
+        self.round_count = 0
         # 'equations': the full-size EMA of raw gradients; 'algorithm': the EMA of the round
         # means of sanitised gradients (kept coordinates)
         self.ema: torch.Tensor | None = None
@@ -230,16 +253,25 @@ class RelaGradients:
         if self.order == 'equations':
             self.ema = ema_update(self.ema, gradient, self.ema_ratio)        # Eq. 2
         else:
-            self.round.append(sanitise_gradient(gradient, self.mask, self.noise_std, self.generator))
+            sanitised = sanitise_gradient(gradient, self.mask, self.noise_std, self.generator)
+            self.round_sum = sanitised if self.round_sum is None else self.round_sum + sanitised
+            self.round_count += 1
 
     def state_dict(self) -> dict:
         """Everything that changes during the run (checkpoints); the options come from config."""
-        return {'generator': self.generator.get_state(), 'mask': self.mask, 'round': self.round,
+        return {'generator': self.generator.get_state(), 'mask': self.mask,
+                'round_sum': self.round_sum, 'round_count': self.round_count,
                 'ema': self.ema, 'steps': self.steps, 'step_parts': self.step_parts}
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state['generator'])
-        self.mask, self.round, self.ema = state['mask'], list(state['round']), state['ema']
+        self.mask, self.ema = state['mask'], state['ema']
+        if 'round' in state:   # a checkpoint that kept the round's gradients as a list
+            gradients = list(state['round'])
+            self.round_sum = torch.stack(gradients).sum(dim=0) if gradients else None
+            self.round_count = len(gradients)
+        else:
+            self.round_sum, self.round_count = state['round_sum'], int(state['round_count'])
         self.steps = int(state['steps'])
         self.step_parts = [(gradient, int(tokens)) for gradient, tokens in state['step_parts']]
 
@@ -252,7 +284,16 @@ class RelaGradients:
             if self.ema is None:
                 return None
             return sanitise_gradient(self.ema, self.mask, self.noise_std, self.generator)
-        if self.round:
-            self.ema = ema_update(self.ema, torch.stack(self.round).mean(dim=0), self.ema_ratio)
-            self.round = []
+        if self.round_count:
+            self.ema = ema_update(self.ema, self.round_sum / self.round_count, self.ema_ratio)
+            self.round_sum, self.round_count = None, 0
         return self.ema
+
+
+def rela_state_bytes(order: str, numel: int, kept: int) -> int:
+    """Bytes a client's RelaGradients holds at most for a W_s weight of `numel` entries, `kept`
+    of them sent: the shared mask (bool), one step's gradient (float32, full size) and the EMA
+    (float32: full size in 'equations' order; kept size in 'algorithm' order, beside the
+    round's running sum)."""
+    ema = 4 * (numel if order == 'equations' else 2 * kept)
+    return numel + 4 * numel + ema
