@@ -118,3 +118,47 @@ def test_rows_carry_the_rounds_flops(tmp_path):
     # the count is of the real step: a DITTO step on its batch costs what step_flops says
     first = step_flops(proc, proc.step_phases[0], reference_batches(proc))
     assert first > 0
+
+
+def fedmosaic_client(tmp_path, **fedmosaic) -> ClientProcedure:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(write_yaml(tmp_path / 'fedmosaic.yaml', tiny_config(
+        tmp_path, 'fedmosaic', rounds=1, steps=STEPS,
+        fsplug={'fedmosaic': {'num_blocks': 1, **fedmosaic}})))
+    method_obj = get_method_class('fedmosaic')(cfg)
+    return ClientProcedure(1, cfg, method_obj, build_model(cfg, method_obj),
+                           build_federated_records(cfg).clients[1])
+
+
+def test_fedmosaic_cost_is_measured_over_relas_interval(tmp_path):
+    """RELA's W_s gradient runs every f steps, so the measured cost is the mean of f steps, one
+    with it: (F_due + (f − 1)·F_other) / f over SFT's (Table 15's 1.098 counts it so); the
+    method declares no constant of its own (the paper's stays for display)."""
+    from fs_plugins.methods.fedmosaic import FedMosaic
+    assert FedMosaic.relative_cost is None and FedMosaic.paper_relative_cost == 1.098
+    client = fedmosaic_client(tmp_path, gradient_every=5)
+    assert client.method.cost_period(client.cfg) == 5
+    batches = reference_batches(client)
+    phase = client.method.phases(STEPS, client.cfg)[0]
+    sft = step_flops(client, batches=batches, sft=True)
+    due = step_flops(client, phase, batches)              # step 0: RELA's gradient is taken
+    client.state['rela'].steps = 1
+    other = step_flops(client, phase, batches)
+    client.state['rela'].steps = 0
+    assert due > other > 0
+    cost = measured_relative_cost(client)
+    assert cost == pytest.approx((due + 4 * other) / 5 / sft, rel=1e-6)
+    assert cost < due / sft
+    # counting left the client's RELA state where it was
+    assert client.state['rela'].steps == 0 and client.state['rela'].ema is None
+
+
+def test_fedsim_and_feddpa_are_measured_not_table_15(tmp_path):
+    """FedSim shares one forward between its adapters and FedDPA splits one pass: below Table
+    15's double-pass figures, which stay beside them for display."""
+    fedsim = one_client(tmp_path / 's', 'fedsim')
+    feddpa = one_client(tmp_path / 'd', 'feddpa')
+    assert fedsim.method.relative_cost is None and fedsim.method.paper_relative_cost == 1.487
+    assert feddpa.method.relative_cost is None and feddpa.method.paper_relative_cost == 2.051
+    assert measured_relative_cost(fedsim) < 1.487
+    assert measured_relative_cost(feddpa) < 2.051

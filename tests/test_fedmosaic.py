@@ -200,7 +200,10 @@ def test_ws_shares_the_clients_own_frozen_base_and_gives_the_copys_gradient(tmp_
                {'instruction': 'reverse abc', 'input': '', 'output': 'cba'}]
     batch = base.codec.collate([base.codec.encode(r) for r in records])
     model.train()
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    assert not all(flags.values())        # PQ-LoRA's A and B are frozen
     shared = frozen_base_gradient(model, batch, 'last_down_proj')
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
     assert model.training and not any(p.grad is not None for p in model.parameters())
     torch.testing.assert_close(shared, rela_gradient(base.model, batch, 'last_down_proj'))
     with torch.no_grad():

@@ -293,7 +293,9 @@ class PluginServer(Server):
     def _send_content(self, msg_type: str, receivers, round_idx: int) -> None:
         training = msg_type == 'model_para'
         for cid in receivers:
-            content = self.procedure.content_for(cid, for_training=training)
+            # fsplug.eval.point 'trained': evaluation and saving use the client's own model
+            content = (self.procedure.content_for(cid, for_training=training)
+                       if training or self.procedure.evaluates_received_content else {})
             started = time.perf_counter()
             encoded = encode_tensors(content, _is_distributed(self._cfg))
             self.procedure.add_wire_times(encode_s=time.perf_counter() - started)
@@ -707,12 +709,15 @@ class PluginClient(Client):
         self._resume_before(int(message.state) + 1)
         self.trainer.procedure.round_idx = int(message.state)   # PFL-Dynamic: what is visible
         self.trainer.start_evaluation()
+        if self._cfg.fsplug.eval.point == 'trained':
+            message.content = None   # evaluated as its last local training left it
         super().callback_funcs_for_evaluate(message)
         self._save_if_due(int(message.state))
 
     def callback_funcs_for_save(self, message):
         self._resume_before(int(message.state) + 1)
-        self.trainer.update(message.content)
+        if self._cfg.fsplug.eval.point == 'received':
+            self.trainer.update(message.content)
         self._save_if_due(int(message.state))
 
     def callback_funcs_for_model_para(self, message):

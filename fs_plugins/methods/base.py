@@ -157,6 +157,9 @@ class Method:
     # fsplug.train.local_compute 'matched' divides the round's steps by it. None: measured
     # (fs_plugins.run.flops) unless fsplug.train.relative_cost sets it
     relative_cost: ClassVar[float | None] = None
+    # the ratio the paper states (FedMosaic's Table 15), printed beside the measured one where
+    # this implementation's cost differs from what the paper costed (then relative_cost is None)
+    paper_relative_cost: ClassVar[float | None] = None
     # what must train, what is uploaded, what stays on the client, and the paper's communication
     # claim (Contract; checked by `fs-plugins audit`)
     contract: ClassVar[Contract] = Contract()
@@ -258,6 +261,13 @@ class Method:
         meta device), `cfg` the client's config. Where the payload varies by round (e.g. only
         in a warm-up) give its largest round. Default: no extra payload."""
         return {}
+
+    def cost_period(self, cfg) -> int:
+        """Consecutive local steps over which the method's per-step work repeats (FedMosaic:
+        RELA's W_s gradient every f steps): its measured relative cost counts that many steps
+        of each phase, with `after_step` between them (which must then leave the model as it
+        is), and averages them. Default 1."""
+        return 1
 
     def memory_terms(self, model: torch.nn.Module, cfg) -> dict[str, int]:
         """Bytes a client holds while training beside the model's weights, buffers, trainable

@@ -42,6 +42,7 @@ class Ditto(Method):
     inference_adapters = (PERSONAL,)
     # FedMosaic Table 15: "Double Forward/Backward", 2.000 × SFT (a global and a personal pass)
     relative_cost = 2.0
+    paper_relative_cost = 2.0
 
     @classmethod
     def config_problems(cls, hparams, cfg):

@@ -68,6 +68,7 @@ class FedDAT(Method):
     inference_adapters = TEACHER
     # FedMosaic Table 15: "Double Forward/Backward" (student and teacher steps), 2.564 × SFT
     relative_cost = 2.564
+    paper_relative_cost = 2.564
 
     @classmethod
     def config_problems(cls, hparams, cfg):

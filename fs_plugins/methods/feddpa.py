@@ -38,7 +38,8 @@ class FedDPALoRA(Method):
     # not FedMosaic Table 15's 2.051 ("Double Forward/Backward"): that counts a full pass for each
     # adapter, and this round splits one pass between them (global_fraction), so its cost is
     # about one SFT round; 'matched' measures it (fs_plugins.run.flops)
-    relative_cost = None
+    relative_cost = None           # measured: this FedDPA's step is about one SFT step
+    paper_relative_cost = 2.051    # Table 15 (double forward / backward)
 
     def adapt_model(self, model, cfg):
         if cfg.fsplug.model.adapter == 'vera':   # add_twin_adapter scales LoRA's lora_alpha

@@ -86,6 +86,7 @@ class FedMKT(ServerModels):
     robust_aggregation_refusal = 'nothing is averaged: the server distils logits between models'
     # FedMosaic Table 15: "Public data Logit Share", memory 1.002, compute 1.574 × SFT
     relative_cost = 1.574
+    paper_relative_cost = 1.574
 
     # ------------------------------------------------------------------ server
     def init_server_state(self, initial_shared):

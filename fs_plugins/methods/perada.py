@@ -93,6 +93,7 @@ class PerAda(Ditto):
     # FedMosaic Table 15: "Double Forward/Backward & Logit Extraction", 2.294 × SFT (the
     # paper charges the distillation's logit extraction to the method; here it runs on the server)
     relative_cost = 2.294
+    paper_relative_cost = 2.294
 
     def __init__(self, cfg):
         super().__init__(cfg)

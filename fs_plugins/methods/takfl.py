@@ -113,6 +113,7 @@ class TAKFL(ServerModels):
                                   'not by an average of every upload')
     # FedMosaic Table 15: no extra communication, memory 1.000, compute 1.294 × SFT
     relative_cost = 1.294
+    paper_relative_cost = 1.294
 
     # ------------------------------------------------------------------ server
     def init_server_state(self, initial_shared):

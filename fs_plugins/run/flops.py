@@ -76,11 +76,13 @@ def reference_batches(procedure) -> list[dict]:
 
 
 def step_flops(procedure, phase: Phase | None = None, batches: list[dict] | None = None,
-               sft: bool = False) -> int:
+               sft: bool = False, steps: int = 1) -> int:
     """FLOPs of one optimiser step (forward and backward of each micro-batch) of `phase` (None:
     the method's first phase at one step) of a client's procedure (fs_plugins.run.client.
     ClientProcedure), on `batches` (default `reference_batches`); `sft`: the SFT step on the
-    same model instead. Leaves the model and the client as they were."""
+    same model instead. `steps` > 1: that many consecutive steps, the method's `after_step`
+    between them (its state advancing as in training: `Method.cost_period`), their mean.
+    Leaves the model and the client as they were."""
     model, method = procedure.model, procedure.method
     batches = batches if batches is not None else reference_batches(procedure)
     if phase is None and not sft:
@@ -105,14 +107,17 @@ def step_flops(procedure, phase: Phase | None = None, batches: list[dict] | None
         with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []):
             trainable = _enter(procedure, phase, sft)
             counter.start()
-            for index, batch in enumerate(batches):
-                method.micro_index = index
-                batch = {k: v.to(device) for k, v in batch.items()}
-                with forward_context(device, procedure.dtype):
-                    loss = model(**batch).loss if sft else method.loss(model, batch, procedure.state)
-                if (sft or not method.gradient_free) and trainable:
-                    loss.backward()
-            return counter.stop()
+            for step in range(steps):
+                for index, batch in enumerate(batches):
+                    method.micro_index = index
+                    batch = {k: v.to(device) for k, v in batch.items()}
+                    with forward_context(device, procedure.dtype):
+                        loss = model(**batch).loss if sft else method.loss(model, batch, procedure.state)
+                    if (sft or not method.gradient_free) and trainable:
+                        loss.backward()
+                if step + 1 < steps:
+                    method.after_step(model, procedure.state)
+            return round(counter.stop() / steps)
     finally:
         counter.stop()
         for name, param in params.items():
@@ -161,7 +166,8 @@ def active_adapters(model) -> tuple[str, ...]:
 def measured_relative_cost(procedure, batches: list[dict] | None = None) -> float:
     """FLOPs of the method's local round with every phase at train.local_update_steps over
     SFT's round: Σ_phases steps × FLOPs of one step / (S × FLOPs of one SFT step), one step of
-    each distinct phase counted on the same batch."""
+    each distinct phase counted on the same batch (the mean of `Method.cost_period` steps where
+    the method's work repeats over several: FedMosaic's RELA every f steps)."""
     steps = procedure.steps_per_round()
     batches = batches if batches is not None else reference_batches(procedure)
     sft = step_flops(procedure, batches=batches, sft=True)
@@ -169,13 +175,14 @@ def measured_relative_cost(procedure, batches: list[dict] | None = None) -> floa
         raise ValueError(f'Client {procedure.client_id}: the SFT step counted no FLOPs; set '
                          f'fsplug.train.relative_cost')
     per_phase: dict[tuple, int] = {}
+    period = max(1, int(procedure.method.cost_period(procedure.cfg)))
     total = 0
     for phase in procedure.method.phases(steps, procedure.cfg):
         if phase.steps <= 0:
             continue
         key = phase_key(phase)
         if key not in per_phase:
-            per_phase[key] = step_flops(procedure, phase, batches)
+            per_phase[key] = step_flops(procedure, phase, batches, steps=period)
         total += phase.steps * per_phase[key]
     cost = total / (steps * sft)
     logger.info(f'Client {procedure.client_id}: measured relative cost {cost:.4g} × SFT '

@@ -96,6 +96,12 @@ class ServerProcedure:
         return sample_clients(self.cfg.seed, round_idx, client_ids,
                               int(self.cfg.federate.sample_client_num))
 
+    @property
+    def evaluates_received_content(self) -> bool:
+        """Whether a client loads the server's content before it is evaluated or saved
+        (fsplug.eval.point 'received'); 'trained': its model as local training left it."""
+        return self.cfg.fsplug.eval.point == 'received'
+
     def content_for(self, client_id: int, for_training: bool = True) -> dict:
         content = self.method.content_for(self._state_of(client_id), client_id)
         if for_training:

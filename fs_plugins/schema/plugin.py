@@ -219,8 +219,18 @@ class DataOptions:
                                       'audio', choices=('own', 'all'))
 
 
+EVAL_POINTS = ('received', 'trained')   # fsplug.eval.point
+
+
 @dataclass
 class EvalOptions:
+    point: str = option('received', "the model each client is evaluated (and saved) with: "
+                                    "'received' = after loading the server's content for "
+                                    'evaluation (the global model, or its own customised one), '
+                                    "FS-LLM's point; 'trained' = as its last local training left "
+                                    'it, nothing received (the FedMosaic authors evaluate each '
+                                    "client's model saved after local training)",
+                        choices=EVAL_POINTS)
     batch_size: int = option(0, 'per-client evaluation batch size (0 = dataloader.batch_size)', ge=0)
     generate: bool = option(False, 'greedy batched generation besides answer-token loss / accuracy')
     max_new_tokens: int = option(16, 'generation length limit', ge=1)

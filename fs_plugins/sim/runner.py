@@ -76,7 +76,8 @@ def run_embedded(cfg, client_cfgs=None) -> ResultsLog:
             evaluate, save = server.should_evaluate(round_idx + 1), server.should_save(round_idx + 1)
             if evaluate or save:
                 for cid, client in clients.items():
-                    client.receive(server.content_for(cid, for_training=False))
+                    if server.evaluates_received_content:
+                        client.receive(server.content_for(cid, for_training=False))
                     client.round_idx = round_idx
                     if evaluate:
                         results.log_eval(round_idx, cid, client.evaluate_splits())

@@ -146,12 +146,17 @@ def frozen_base_gradient(model: torch.nn.Module, batch: dict, gradient_layer: st
     with its adapters off (peft's disable_adapter) and in eval mode, as W_s's own copy runs;
     W_s then needs no second copy of the base's weights."""
     was_training = model.training
+    # peft's disable_adapter re-activates the adapter on exit, switching requires_grad on for
+    # every LoRA factor, PQ-LoRA's frozen A and B too: the flags are put back as they were
+    flags = {name: param.requires_grad for name, param in model.named_parameters()}
     model.eval()
     try:
         with model.disable_adapter():
             return rela_gradient(model, batch, gradient_layer)
     finally:
         model.train(was_training)
+        for name, param in model.named_parameters():
+            param.requires_grad_(flags[name])
 
 
 def weight_gradient(model: torch.nn.Module, batch: dict, weight: torch.Tensor) -> torch.Tensor:
