@@ -279,7 +279,7 @@ def test_fs_standalone_gives_the_embedded_numbers(tmp_path, variant):
            'other_tokenizer_ws': {'small_builder': 'causal_lm', 'small_model_type':
                                   f'{_other_vocab_llama(tmp_path / "ws")}@fsplug_llm'}}[variant]
     cfg = tiny_config(tmp_path, 'fedmosaic', rounds=2, steps=3, fsplug={
-        'results_dir': str(tmp_path / 'fs'), 'fedmosaic': {
+        'results_dir': str(tmp_path / 'fs'), 'data': {'public_holdout': 16}, 'fedmosaic': {
             'num_blocks': 1, 'gradient_every': 2, 'alignment_dir': str(tmp_path / 'align'), **own}})
     proc = run_fs_in_process(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg),
                    '--client_cfg', write_yaml(tmp_path / 'clients.yaml', HETEROGENEOUS)])

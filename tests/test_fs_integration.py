@@ -211,7 +211,8 @@ def test_fs_standalone_matches_embedded(tmp_path, method):
         deep_update(cfg, TOY)
     deep_update(cfg, MODEL_SETUP.get(method, {}))
     if method == 'fedmosaic':
-        deep_update(cfg, {'fsplug': {'fedmosaic': {'num_blocks': 1, 'gradient_every': 2,
+        deep_update(cfg, {'fsplug': {'data': {'public_holdout': 16},
+                                     'fedmosaic': {'num_blocks': 1, 'gradient_every': 2,
                                                    'alignment_dir': str(tmp_path / 'align')}}})
     deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
     client_cfgs = CLIENT_CFGS.get(method)
@@ -423,3 +424,13 @@ def test_fs_standalone_multimodal_with_generation_matches_embedded(tmp_path):
     fs_rows = read_rows(str(tmp_path / 'fs'))
     assert any('test_vqa_acc' in r for r in fs_rows)
     assert_same_numbers(fs_rows, _embedded_rows(tmp_path, cfg, None))
+
+
+def test_fs_evaluates_the_trained_models_as_the_embedded_runner(tmp_path):
+    """fsplug.eval.point 'trained' under FS: clients evaluate (and save) their models as
+    local training left them; the numbers and saved models are the embedded runner's."""
+    cfg = tiny_config(tmp_path, 'fedavg', rounds=2, steps=3,
+                      fsplug={'results_dir': str(tmp_path / 'fs'), 'eval': {'point': 'trained'}})
+    proc = run_fs_in_process(['--cfg', write_yaml(tmp_path / 'fs.yaml', cfg)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_numbers(read_rows(str(tmp_path / 'fs')), _embedded_rows(tmp_path, cfg))

@@ -144,6 +144,7 @@ class LoadedRecords:
     left_out: list[dict]         # the file's records that `select` left out
     origin: str = ''             # the data file (or folder) they come from
     places: dict[int, str] = field(default_factory=dict)   # id(record) -> 'line 3'
+    public: list[dict] = field(default_factory=list)   # held apart (fsplug.data.public_holdout)
 
 
 def load_data_records(spec: SplitSpec) -> LoadedRecords:
@@ -164,8 +165,25 @@ def load_data_records(spec: SplitSpec) -> LoadedRecords:
     left_out = [r for r in everything if id(r) not in kept]
     if data_cfg.max_records:
         records = records[:data_cfg.max_records]
+    held = held_apart(records, spec.public_holdout, spec.seed)
+    if held:
+        kept = {id(r) for r in held}
+        records = [r for r in records if id(r) not in kept]
     return LoadedRecords(records, data_cfg.split_from_records, left_out,
-                         data_origin(spec.source), record_places(everything))
+                         data_origin(spec.source), record_places(everything), held)
+
+
+def held_apart(records: list[dict], count: int, seed: int) -> list[dict]:
+    """The `count` training records (no 'split' field, or 'train') held apart from every
+    client as the run's public set (fsplug.data.public_holdout), a seeded choice in file order."""
+    if count <= 0:
+        return []
+    train = [r for r in records if r.get('split', 'train') == 'train']
+    if count >= len(train):
+        raise DataFileError(f'fsplug.data.public_holdout = {count}: the data has {len(train)} '
+                            f'training record(s); hold apart fewer')
+    order = np.random.default_rng(derive_seed(seed, 'public_holdout')).permutation(len(train))[:count]
+    return [train[int(i)] for i in sorted(order)]
 
 
 def record_places(records: list[dict]) -> dict[int, str]:

@@ -1,5 +1,9 @@
 """Public (server-side or shared) records that methods use besides the clients' data:
-FedMosaic's alignment data, PerAda's unlabelled distillation data."""
+FedMosaic's alignment data, PerAda's unlabelled distillation data, FedMKT's and TAKFL's public
+sets. A public set is never drawn from the clients' training data unless the config says so:
+its source is a record file, a builtin dataset, HELD_OUT (training records of the run's data
+held apart from every client before the split: `fsplug.data.public_holdout`) or, explicitly,
+CLIENTS (the clients' own training records)."""
 from __future__ import annotations
 
 import os
@@ -22,17 +26,76 @@ def public_file_records(path: str, key: str) -> list[dict]:
         raise DataFileError([f'{key}: {problem}' for problem in exc.problems]) from None
 
 
-def public_records(source: str, run_data: DataSource, count: int, seed: int, key: str) -> list[dict]:
-    """`count` records (a seeded choice, in file order) from `source`: a .json/.jsonl file,
-    or a builtin dataset name; '' = the run's own data (`run_data`). Records marked with
-    another 'split' than 'train' are left out. `key` is the config key `source` came from,
-    for the errors."""
+HELD_OUT = 'held_out'   # training records held apart from every client (the default)
+CLIENTS = 'clients'     # the clients' own training records: explicit only
+# (source option, count option) of the methods' public data, under fsplug.<method>; the first
+# is needed in every run (PerAda, FedMKT, TAKFL), so 'held_out' holds its count apart unless
+# fsplug.data.public_holdout says how many; FedMosaic's alignment data is needed only when a
+# client's model is not the pivot, so its 'held_out' takes fsplug.data.public_holdout's records
+PUBLIC_OPTIONS = (('public_data', 'public_samples'), ('alignment_data', 'alignment_samples'))
+
+
+def public_holdout_count(cfg) -> int:
+    """Training records the run holds apart from its clients: fsplug.data.public_holdout, else
+    the count of the method's public_data when its source is HELD_OUT (0: none)."""
+    configured = int(cfg.fsplug.data.public_holdout)
+    if configured:
+        return configured
+    node = getattr(cfg.fsplug, str(cfg.fsplug.method), None)
+    source_key, count_key = PUBLIC_OPTIONS[0]
+    if node is not None and source_key in node and node[source_key] == HELD_OUT:
+        return int(node[count_key])
+    return 0
+
+
+def public_data_summary(cfg) -> str:
+    """'<key>: where the method's public set comes from' ('' when it uses none)."""
+    from fs_plugins.methods.specs import data_source   # lazy: the specs import torch
+    method = str(cfg.fsplug.method)
+    node = getattr(cfg.fsplug, method, None)
+    for source_key, _ in PUBLIC_OPTIONS:
+        if node is not None and source_key in node:
+            where = public_source(str(node[source_key]), data_source(cfg), public_holdout_count(cfg))
+            return f'fsplug.{method}.{source_key}: {where}'
+    return ''
+
+
+def public_source(source: str, run_data: DataSource, holdout: int = 0) -> str:
+    """Where a public set comes from, for the run's summary."""
+    if source == HELD_OUT:
+        return (f"{holdout} training records of {run_data.name} held apart from every client "
+                f"(fsplug.data.public_holdout)")
+    if source == CLIENTS:
+        return f"the clients' own training records ({run_data.name}; explicit '{CLIENTS}')"
+    return source
+
+
+def public_records(source: str, run_data: DataSource, count: int, seed: int, key: str,
+                   split=None) -> list[dict]:
+    """`count` records (a seeded choice, in file order) from `source`: a .json/.jsonl file, a
+    builtin dataset name, HELD_OUT (the run's held-apart records: `split`, its SplitSpec, is
+    needed) or CLIENTS (the run's own training data, `run_data`). Records marked with another
+    'split' than 'train' are left out. `key` is the config key `source` came from, for the
+    errors."""
     name = source or run_data.name
     if not source:
+        raise ConfigError(f"{key} = '': name the public set: a .json/.jsonl record file, a builtin "
+                          f"dataset ({', '.join(sorted(BUILTIN_DATASETS))}), '{HELD_OUT}' (training "
+                          f"records of the run's data held apart from every client) or "
+                          f"'{CLIENTS}' (the clients' own training records)")
+    if source == HELD_OUT:
+        if split is None:
+            raise ConfigError(f"{key} = '{HELD_OUT}' is not available here")
+        from fs_plugins.data.federated import load_data_records   # lazy: federated imports this
+        records = load_data_records(split).public
+        if not records:
+            raise ConfigError(f"{key} = '{HELD_OUT}': no record of the run's data is held apart: "
+                              f"set fsplug.data.public_holdout (how many), or name a public file")
+    elif source == CLIENTS:
         try:
             records = source_records(run_data)
         except FileNotFoundError as exc:
-            raise ConfigError(f"{key} = '' (the run's data): {exc}") from None
+            raise ConfigError(f"{key} = '{CLIENTS}' (the run's data): {exc}") from None
     elif os.sep in source or source.endswith(('.json', '.jsonl')):
         if not os.path.isfile(source):
             raise ConfigError(f"{key}: file not found: {source}")

@@ -69,9 +69,13 @@ class FedMKTConfig:
     kd_lr: float = option(1e-3, 'Adam learning rate of the distillation steps', gt=0)
     kd_temperature: float = option(1.0, 'T of KL(q ‖ softmax(z/T)), q the teacher\'s '
                                         'softmax(z_t/T) aligned to the student\'s vocabulary', gt=0)
-    public_data: str = option('', 'labelled public data shared by the server and the clients '
-                                  '(FedMKT\'s public set): a .json/.jsonl record file, or a builtin '
-                                  "dataset name (its train records); '' = the run's data (data.type)")
+    public_data: str = option('held_out', 'labelled public data shared by the server and the '
+                                          "clients (FedMKT's public set): a .json/.jsonl record "
+                                          'file, a builtin dataset name (its train records), '
+                                          "'held_out' (public_samples training records of the "
+                                          "run's data held apart from every client: "
+                                          "fsplug.data.public_holdout) or 'clients' (the clients' "
+                                          'own training records, explicitly)')
     public_samples: int = option(256, 'public records used (a seeded choice)', ge=2)
 
 

@@ -191,9 +191,12 @@ class FedMosaicConfig:
                             choices=('compute', 'require'))
     alignment_dir: str = option('', "where alignments are cached; '' = <fs_plugins cache>/"
                                     f'{ALIGNMENT_DIR_NAME} (FSPLUG_CACHE, else ~/.cache/fs_plugins)')
-    alignment_data: str = option('', 'public data for the alignment: a .json/.jsonl record file, '
-                                     'or a builtin dataset name (its train records); '
-                                     "'' = the run's data (data.type)")
+    alignment_data: str = option('held_out', 'public data D_p for the alignment: a .json/.jsonl '
+                                             'record file, a builtin dataset name (its train '
+                                             "records), 'held_out' (alignment_samples training "
+                                             "records of the run's data held apart from every "
+                                             "client: fsplug.data.public_holdout) or 'clients' "
+                                             "(the clients' own training records, explicitly)")
     alignment_samples: int = option(64, 'public records used for the alignment', ge=2)
     alignment_reg: float = option(0.5, 'λ of the orthonormality term λ‖A Aᵀ − I‖² (Eq. 20; §A.7: '
                                        '0.5)', ge=0)
@@ -402,7 +405,8 @@ class FedMosaic(Method):
         pivot_cfg = self.pivot_config(cfg)
         pivot = self.pivot_of(pivot_cfg)
         try:
-            align_to_pivot(model, codec, model_spec(cfg), pivot, str(pivot_cfg.model.type), self.hparams)
+            align_to_pivot(model, codec, model_spec(cfg), pivot, str(pivot_cfg.model.type), self.hparams,
+                           split_spec(cfg))
         finally:
             pivot.release()   # its model is needed again only for a new alignment
 

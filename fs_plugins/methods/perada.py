@@ -53,7 +53,7 @@ from fs_plugins.methods.base import Phase, activate_adapters, load_tensors, weig
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.ditto import GLOBAL, PERSONAL, Ditto, is_personal
 from fs_plugins.methods.registry import register_method
-from fs_plugins.methods.specs import data_source, device_for
+from fs_plugins.methods.specs import data_source, device_for, split_spec
 from fs_plugins.schema import option
 from fs_plugins.schema.options import to_plain
 
@@ -75,9 +75,13 @@ class PerAdaConfig:
     kd_lr: float = option(1e-3, 'Adam learning rate of the distillation (cosine-annealed over '
                                 'kd_steps; code: 1e-3)', gt=0)
     kd_temperature: float = option(1.0, 'T of KL(softmax(t/T) ‖ softmax(s/T)) (code: 1)', gt=0)
-    public_data: str = option('', 'unlabelled public data for the distillation: a .json/.jsonl '
-                                  'record file, or a builtin dataset name (its train records); '
-                                  "'' = the run's data (data.type). Only the prompts are used")
+    public_data: str = option('held_out', 'unlabelled public data for the distillation: a '
+                                          '.json/.jsonl record file, a builtin dataset name (its '
+                                          "train records), 'held_out' (public_samples training "
+                                          "records of the run's data held apart from every "
+                                          "client: fsplug.data.public_holdout) or 'clients' (the "
+                                          "clients' own training records, explicitly). Only the "
+                                          'prompts are used')
     public_samples: int = option(256, 'public records used (a seeded choice)', ge=2)
 
 
@@ -262,7 +266,7 @@ class PerAda(Ditto):
             records = public_records(self.hparams.public_data, data_source(self.cfg),
                                      self.hparams.public_samples,
                                      derive_seed(self.cfg.seed, 'perada-public'),
-                                     'fsplug.perada.public_data')
+                                     'fsplug.perada.public_data', split_spec(self.cfg))
             codec, size = built.codec, self.hparams.kd_batch_size
             batches = [codec.collate([codec.encode_prompt(r) for r in records[i:i + size]])
                        for i in range(0, len(records), size)]

@@ -22,7 +22,7 @@ from fs_plugins.data.instruction import IGNORE_INDEX
 from fs_plugins.data.public import public_records
 from fs_plugins.methods.base import Method, load_tensors
 from fs_plugins.methods.building import build_model
-from fs_plugins.methods.specs import data_source, device_for
+from fs_plugins.methods.specs import data_source, device_for, split_spec
 from fs_plugins.schema.options import to_plain
 
 # (logits, labels, rows) -> the loss of one public batch; rows: the slice of public samples
@@ -56,7 +56,8 @@ class ServerModels(Method):
         """The public records, encoded by `codec` (the same records for every model)."""
         hp, node = self.hparams, f'fsplug.{self.name}.public_data'
         records = public_records(hp.public_data, data_source(self.cfg), hp.public_samples,
-                                 derive_seed(self.cfg.seed, f'{self.name}-public'), node)
+                                 derive_seed(self.cfg.seed, f'{self.name}-public'), node,
+                                 split_spec(self.cfg))
         examples = [codec.encode(r) for r in records]
         dropped = sum(e is None for e in examples)
         if dropped:

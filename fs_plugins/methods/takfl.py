@@ -93,10 +93,14 @@ class TAKFLConfig:
     kd_batch_size: int = option(8, 'public records per distillation batch', ge=1)
     kd_lr: float = option(1e-3, 'Adam learning rate of the distillation steps (ours, for LoRA; '
                                 'the code fine-tunes whole models at 3e-5)', gt=0)
-    public_data: str = option('', 'public data the server distils on (TAKFL\'s unlabelled '
-                                  'public set; its labels serve only the \'search\'): a '
-                                  '.json/.jsonl record file, or a builtin dataset name (its train '
-                                  "records); '' = the run's data (data.type)")
+    public_data: str = option('held_out', "public data the server distils on (TAKFL's "
+                                          "unlabelled public set; its labels serve only the "
+                                          "'search'): a .json/.jsonl record file, a builtin "
+                                          "dataset name (its train records), 'held_out' "
+                                          "(public_samples training records of the run's data "
+                                          'held apart from every client: fsplug.data.'
+                                          "public_holdout) or 'clients' (the clients' own "
+                                          'training records, explicitly)')
     public_samples: int = option(256, 'public records used (a seeded choice)', ge=2)
 
 

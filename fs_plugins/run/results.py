@@ -176,6 +176,8 @@ class ResultsLog:
         split = time_split(self.rows, self.clients_in_parallel)
         if split['rounds']:
             lines += ['', *time_split_markdown(split, self.clients_in_parallel)]
+        if self.run_info.get('public_data'):
+            lines += ['', f"Public data: {self.run_info['public_data']}"]
         return '\n'.join(lines)
 
     def modality_table(self, columns: list[str], table: list[dict]) -> list[str]:

@@ -11,6 +11,7 @@ import torch
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.threads import thread_count, usable_cores
 from fs_plugins.data.federated import FederatedRecords, split_records
+from fs_plugins.data.public import public_data_summary
 from fs_plugins.methods.base import Method
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.specs import split_spec
@@ -49,6 +50,7 @@ def run_info(cfg, runner: str, client_names: dict, client_cfgs: dict | None = No
     `fs_plugins.load_trained` rebuilds the models from)."""
     return {'runner': runner, 'method': cfg.fsplug.method, 'seed': cfg.seed,
             'model': model_path(cfg), 'data': str(cfg.data.type),
+            'public_data': public_data_summary(cfg),
             'client_names': {str(k): v for k, v in client_names.items()},
             'config': to_plain(cfg),
             'client_cfgs': {str(k): to_plain(v) for k, v in (client_cfgs or {}).items()}}

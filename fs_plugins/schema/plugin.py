@@ -177,6 +177,12 @@ class DataOptions:
                                    "these, before max_records and the split ([] = all; e.g. "
                                    "easyvqa's task 'yes_no')")
     max_records: int = option(0, 'cap on records read from the file, before the split (0 = all)', ge=0)
+    public_holdout: int = option(0, "training records of the run's data held apart before the "
+                                    "clients' split (a seeded choice): no client trains on them; "
+                                    "they are the public set of a method whose public data is "
+                                    "'held_out' (0 = that method's own count, held apart in its "
+                                    'runs only; set it so every row of a table shares one split)',
+                                 ge=0)
     prompt: str = option('', "prompt template of instruction records ('' = the data source's "
                              "own: fs_llm for FS-LLM's '@llm' data, alpaca otherwise). fs_llm "
                              "is FS-LLM's LLMDataset prompt byte for byte: the Alpaca text "

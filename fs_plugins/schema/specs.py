@@ -66,3 +66,4 @@ class SplitSpec:
     total_rounds: int                             # federate.total_round_num
     seed: int
     options: DataOptions = field(default_factory=DataOptions)   # fsplug.data
+    public_holdout: int = 0   # training records held apart as the public set (data.public)

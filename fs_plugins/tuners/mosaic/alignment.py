@@ -49,7 +49,7 @@ from fs_plugins.aggregation.mosaic import (
 from fs_plugins.core.cache import cache_dir
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.data.public import public_records
+from fs_plugins.data.public import CLIENTS, HELD_OUT, public_records
 from fs_plugins.models.codecs import EncodedDataset
 from fs_plugins.schema.specs import ModelSpec
 from fs_plugins.tuners.mosaic.layer import GATE_ATTR, MOSAIC_ATTR, MosaicLinear
@@ -296,10 +296,12 @@ class Pivot:
         self.built = None
 
 
-def align_to_pivot(model, codec, spec: ModelSpec, pivot: Pivot, pivot_type: str, hp) -> str:
+def align_to_pivot(model, codec, spec: ModelSpec, pivot: Pivot, pivot_type: str, hp,
+                   split=None) -> str:
     """Aligns `model`'s PQ-LoRA A, B to those of the pivot (model.type `pivot_type`)
     (Algorithms 3-4), from the cache when the same alignment was computed before; returns the
-    cache file."""
+    cache file. `split`: the run's SplitSpec (its held-apart records, alignment_data
+    'held_out')."""
     name = f"model.type '{spec.type_value}'"
     pivot_factors = pivot.factors
     other_factors = lora_factors(model, model.fedmosaic_pq)
@@ -317,7 +319,8 @@ def align_to_pivot(model, codec, spec: ModelSpec, pivot: Pivot, pivot_type: str,
                           f"'{pivot_type}' (r={r}) in {os.path.dirname(path)} and "
                           f"fsplug.fedmosaic.alignment = 'require'; run once with 'compute'")
     records = public_records(hp.alignment_data, spec.data, hp.alignment_samples,
-                             derive_alignment_seed(spec.seed), 'fsplug.fedmosaic.alignment_data')
+                             derive_alignment_seed(spec.seed), 'fsplug.fedmosaic.alignment_data',
+                             split)
     pivot_model = pivot.model().model
     per_token = same_tokens(pivot.codec, codec, records)
     fit = None
@@ -354,7 +357,9 @@ def alignment_settings(spec: ModelSpec, hp) -> dict:
     """Everything besides the two models and r that changes an alignment (its cache key)."""
     settings = {'seed': spec.seed, 'blocks': hp.num_blocks, 'placement': hp.placement,
                 'targets': sorted(spec.model.lora.target_modules),
-                'data': hp.alignment_data or spec.data.type_value, 'samples': hp.alignment_samples,
+                'data': (f'{hp.alignment_data}:{spec.data.type_value}'
+                         if hp.alignment_data in (HELD_OUT, CLIENTS) else hp.alignment_data),
+                'samples': hp.alignment_samples,
                 'reg': hp.alignment_reg, 'schedule': hp.alignment_schedule,
                 'batch_size': hp.alignment_batch_size}
     if hp.alignment_schedule == 'paper':
