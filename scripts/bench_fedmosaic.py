@@ -106,6 +106,8 @@ def client(method: str, model: str, steps: int, batch: int, workdir: str):
         'fsplug': {'method': method, 'model': {'builder': builder, 'lora': {
             'r': 16, 'alpha': 32, 'target_modules': targets}},
                    'fedmosaic': {'num_blocks': blocks, 'gradient_every': 10},
+                   # the distillation baselines' public set: 8 records held apart
+                   **{m: {'public_samples': 8} for m in ('perada', 'fedmkt', 'takfl')},
                    'data': {'prompt': 'plain'}}})
     records = build_federated_records(cfg)
     method_obj = get_method_class(method)(cfg)

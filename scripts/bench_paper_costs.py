@@ -8,6 +8,9 @@
              gradient included, divided by the round's steps), step time (rounds interleaved,
              median) and peak memory (a fresh process per client, bench_fedmole's VmHWM reading
              after a warm-up round that loads W_s).
+  table15    every Table 15 method's relative compute to SFT: the paper's, ours measured with
+             the FLOP counter (FedMosaic over RELA's interval) and the one local_compute: matched
+             uses (the paper's where our implementation costs what the paper costed).
   smartfed   SmartFed vs FedIT (FedAvg-LoRA from scratch): step time, peak memory and bytes per
              round, bench_smartfed's section 1 (smollm2 only).
   fedmole    Fed-MoLE (N = 8, K = 2) vs FedAvg-LoRA peak memory (Table 5), bench_fedmole's
@@ -42,7 +45,7 @@ import bench_fedmosaic  # noqa: E402
 import bench_flame  # noqa: E402
 import bench_smartfed  # noqa: E402
 
-SECTIONS = ('fedmosaic', 'smartfed', 'fedmole', 'flame')
+SECTIONS = ('fedmosaic', 'table15', 'smartfed', 'fedmole', 'flame')
 MOSAIC_CLIENTS = ('standalone', 'fedmosaic')
 # the papers' figures, quoted with where they stand in ../shared/seeds/
 PAPER = {
@@ -138,6 +141,33 @@ def fedmosaic_section(args, workdir: str) -> list[tuple]:
              f'({args.model})', command)]
 
 
+# ------------------------------------------------------------------ Table 15's relative costs
+TABLE15_METHODS = ('ditto', 'fedsim', 'fedavg', 'takfl', 'perada', 'feddat', 'feddpa', 'fedmkt',
+                   'fedmosaic')
+
+
+def table15_section(args, workdir: str) -> list[tuple]:
+    """Each Table 15 method's relative cost to SFT: the paper's (Method.paper_relative_cost)
+    beside ours measured with the FLOP counter (fs_plugins.run.flops: one step per phase, the
+    mean over RELA's interval for FedMosaic) and the one `local_compute: matched` uses."""
+    from fs_plugins.run.flops import measured_relative_cost
+    print(f'\n== Table 15: relative compute to SFT, {args.model}, batch {args.batch}, RELA every 10 '
+          f'steps ==')
+    print(f"{'method':<10} {'paper':>7} {'measured':>9} {'matched uses':>13}")
+    rows = []
+    for method in TABLE15_METHODS:
+        procedure = bench_fedmosaic.client(method, args.model, args.mosaic_steps, args.batch,
+                                           os.path.join(workdir, method))
+        measured = measured_relative_cost(procedure)
+        paper = procedure.method.paper_relative_cost or (1.0 if method == 'fedavg' else None)
+        used = procedure.relative_cost() if procedure.method.relative_cost is not None else measured
+        print(f"{method:<10} {paper_figure(paper):>7} {measured:>9.3f} {used:>13.3f}", flush=True)
+        rows.append((f'{method} compute / SFT', (paper, 'FedMosaic A.8, Table 15'),
+                     f'{measured:.3f} measured, {used:.3f} under matched ({args.model})',
+                     'python scripts/bench_paper_costs.py --only table15'))
+    return rows
+
+
 # ------------------------------------------------------------------------------- SmartFed
 def smartfed_section(args, workdir: str) -> list[tuple]:
     bench = argparse.Namespace(batch=args.batch, seq_len=args.seq_len, round_steps=2,
@@ -231,7 +261,8 @@ def main(argv=None) -> int:
         if args.memory_of:
             print(json.dumps(mosaic_memory(args, workdir)))
             return 0
-        sections = {'fedmosaic': fedmosaic_section, 'smartfed': smartfed_section,
+        sections = {'fedmosaic': fedmosaic_section, 'table15': table15_section,
+                    'smartfed': smartfed_section,
                     'fedmole': fedmole_section, 'flame': flame_section}
         rows = [row for name in args.only for row in sections[name](args, workdir)]
     print('\n' + '\n'.join(claims_table(rows)))

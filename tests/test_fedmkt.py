@@ -174,3 +174,51 @@ def test_bad_public_data_names_the_key(tmp_path):
     method = direct_method(tmp_path, 'fedmkt', fsplug={'fedmkt': {'public_data': '/nowhere/p.jsonl'}})
     with pytest.raises(ConfigError, match='fsplug.fedmkt.public_data: file not found'):
         method.architecture(method.cfg)
+
+
+TWO_SIZES = {'client_3': {'model': {'type': 'tiny-llama-large@fsplug_llm'}},
+             'client_4': {'model': {'type': 'tiny-llama-large@fsplug_llm'}}}
+
+
+@pytest.mark.parametrize('server_model', ['largest', 'run'])
+def test_the_server_model_is_the_largest_unless_told_the_runs(tmp_path, server_model):
+    """FedMKT's server LLM is the largest (server_model 'largest'): with clients 3-4 on the
+    larger tiny Llama, the server distils into that model's LoRA (kept as 'server'; the run's
+    global stays its initial adapter); 'run' distils into the run's model, its global."""
+    from fs_plugins.run.config import client_config
+    method = direct_method(tmp_path, 'fedmkt', fsplug={'fedmkt': {**SMALL_KD,
+                                                                 'server_model': server_model}})
+    method.client_configs = {cid: client_config(method.cfg, TWO_SIZES.get(f'client_{cid}'))
+                             for cid in (1, 2, 3, 4)}
+    run_key = method.architecture(method.cfg)
+    large_key = method.architecture(method.client_configs[3])
+    assert method.model_size(large_key) > method.model_size(run_key)
+    updates = []
+    for cid in (1, 3):
+        lora = method.initial_lora(method.architecture(method.client_configs[cid]))
+        updates.append(ClientUpdate(cid, 10, {k: v + 0.01 for k, v in lora.items()}))
+    initial = method.initial_lora(run_key)
+    state = method.aggregate(method.init_server_state(initial), updates)
+    if server_model == 'largest':
+        large = method.initial_lora(large_key)
+        assert {k: v.shape for k, v in state['server'].items()} == {k: v.shape for k, v in large.items()}
+        assert all(torch.equal(state['global'][k], initial[k]) for k in initial)
+    else:
+        assert 'server' not in state and any(not torch.equal(state['global'][k], initial[k])
+                                             for k in initial)
+    assert set(state['clients']) == {'1', '3'}
+
+
+@pytest.mark.parametrize('method_name', ['fedmkt', 'takfl'])
+def test_distillation_trains_at_the_training_rate_by_default(tmp_path, monkeypatch, method_name):
+    """kd_lr 0 (the default): Adam at train.optimizer.lr; a kd_lr given is used as it is."""
+    rates = []
+    real_adam = torch.optim.Adam
+    monkeypatch.setattr(torch.optim, 'Adam', lambda params, lr: rates.append(lr) or real_adam(params, lr=lr))
+    for kd_lr in (0.0, 0.02):
+        method = direct_method(tmp_path / str(kd_lr), method_name,
+                               fsplug={method_name: {**SMALL_KD, 'kd_lr': kd_lr}})
+        key = method.architecture(method.cfg)
+        method.train_on_public(key, method.initial_lora(key),
+                               lambda logits, labels, rows: logits.float().mean(), ('t',))
+    assert rates == [float(method.cfg.train.optimizer.lr), 0.02]

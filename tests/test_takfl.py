@@ -19,7 +19,7 @@ from fs_plugins.aggregation.takfl import (
 )
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
-from fs_plugins.methods.base import ClientUpdate
+from fs_plugins.methods.base import ClientUpdate, load_tensors
 from fs_plugins.methods.takfl import prototype_label
 
 SMALL_KD = {'kd_batch_size': 4, 'public_samples': 8, 'search_candidates': 2}
@@ -116,9 +116,12 @@ def test_zero_coefficients_give_the_prototype_average_and_every_client_receives_
     assert method.content_for(method.init_server_state(initial), 1) == {}
 
 
-def test_distillation_moves_the_average_and_the_search_takes_the_lowest_loss_candidate(tmp_path):
+@pytest.mark.parametrize('metric', ['accuracy', 'loss'])
+def test_distillation_moves_the_average_and_the_search_takes_the_best_candidate(tmp_path, metric):
     """λ = 1 gives the model distilled from the prototype's own clients (changed from the
-    average); 'search' returns the candidate whose merge has the lowest public answer loss."""
+    average); 'search' returns the candidate whose merge scores best on the public set: the
+    highest answer-token accuracy (the default, the code's validation accuracy), or the lowest
+    answer loss."""
     method = direct_method(tmp_path, 'takfl', fsplug={'takfl': {**SMALL_KD, 'coefficients': 'given',
                                                                'task_weights': [1.0]}})
     initial, updates = uploads(method, 0.05)
@@ -126,16 +129,30 @@ def test_distillation_moves_the_average_and_the_search_takes_the_lowest_loss_can
     method.hparams.task_weights = [0.0]
     averaged = method.aggregate(method.init_server_state(initial), updates)['global']
     assert any(not torch.allclose(distilled[n], averaged[n]) for n in initial)
-    method.hparams.coefficients = 'search'
+    method.hparams.coefficients, method.hparams.search_metric = 'search', metric
     key = method.architecture(method.cfg)
     vectors = task_vectors([distilled, initial], averaged)   # two directions to weigh
     chosen = method.coefficients_for(key, averaged, vectors, 'p', 4)
     rng = np.random.default_rng(derive_seed(method.cfg.seed, 'takfl-search', 4, 'p'))
-    naive_losses = {}
+    scores = {}
+    model = method._models[key][0]
     for candidate in candidate_coefficients(2, SMALL_KD['search_candidates'], rng):
         merged = merge_task_vectors(averaged, vectors, candidate)
-        naive_losses.setdefault(float(method.measure(key, merged)[0].mean()), candidate)
-    assert chosen == naive_losses[min(naive_losses)]
+        if metric == 'loss':
+            score = -float(method.measure(key, merged)[0].mean())
+        else:   # answer-token accuracy, counted by hand
+            load_tensors(model.model, merged)
+            correct = total = 0
+            with torch.no_grad():
+                for batch in method._models[key][1]:
+                    logits = model.model(**{k: v for k, v in batch.items() if k != 'labels'}).logits
+                    targets = batch['labels'][:, 1:]
+                    kept = targets != -100
+                    correct += int((logits[:, :-1].argmax(-1)[kept] == targets[kept]).sum())
+                    total += int(kept.sum())
+            score = correct / total
+        scores.setdefault(score, candidate)
+    assert chosen == scores[max(scores)]
 
 
 def test_task_weights_must_match_the_teacher_prototypes(tmp_path):

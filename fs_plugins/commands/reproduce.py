@@ -11,7 +11,9 @@ columns: per column the paper's number, ours (mean ± std over seeds) and the di
 paths and values filled from the panel's `vars`. `--scale tiny` (the default without CUDA)
 runs a stand-in instead: the table's `tiny_yaml` (a row's own `tiny_yaml` first, else
 yamls/<method>/tiny.yaml), with the row's method and its keys except those that set the
-paper's data, model and budget (TINY_DROPPED_KEYS), plus the row's `tiny_options`. `--smoke`
+paper's data, model and budget (TINY_DROPPED_KEYS), plus the row's `tiny_options`. A table's
+`options` (its protocol: FedMosaic's evaluation point and matched compute) go to every row
+at every scale, before the row's own. `--smoke`
 runs every row for one round of two local steps (the whole pipeline at the paper's sizes, in minutes on a GPU); `--smoke
 --tiny` swaps the paper's models for tiny ones of the same family (the audit's swap), so the
 smoke runs on a CPU. docs/reproduce.md describes the data format and the rules.
@@ -134,6 +136,7 @@ def plan_panel(table: dict, row: dict, panel: dict, method: str, mode: Mode) -> 
     options = dict(row.get('options') or {})
     variables = dict(panel.get('vars') or {})
     keys = {'fsplug.method': method,
+            **(table.get('options') or {}),   # the table's protocol, every row's
             **{k: v for k, v in options.items() if k not in FILE_OPTIONS},
             **(panel.get('keys') or {})}
     keys = {k: filled(v, variables, where) for k, v in keys.items()}

@@ -19,8 +19,10 @@ Every model (the clients' small models, the server's model) carries LoRA. A roun
 5. Server → client, selective: with the distilled θ_s, each client's θ_k trains on
    L_k = (1 − λ)·CE_k(x) + λ·KL(q_s(x) ‖ softmax(z_k(x)/T))·1[ℓ_s(x) < ℓ_k(x)],
    and client k receives its θ_k for the next round (its adapter is never averaged).
-The server's θ_s is the run's model (its model.type; the larger/pivot model when the clients'
---client_cfg gives them smaller ones) and is the run's saved global state.
+The server's θ_s is the largest model among the run's and the clients' (server_model
+'largest', FedMKT's large server LLM; 'run': the run's model.type). When it is the run's model
+its LoRA is the run's saved global state; another server model keeps its LoRA in the server
+state ('server'), the global staying the run's initial adapter.
 
 Choices (the paper cannot be read here):
 - Step 5 runs on the server, from the client's uploaded θ_k on a server-side copy of its
@@ -32,8 +34,11 @@ Choices (the paper cannot be read here):
 - The server-side model copies, public batches, token alignment, measuring pass and
   optimisation loop are shared with TAKFL (methods/server_models.py).
 - The teachers' selection uses the losses measured once at the start of each direction.
-- λ (kd_weight), T, the optimiser (Adam, constant kd_lr) and one pass over the public set per
-  direction (kd_epochs) are this implementation's defaults.
+- Distillation only on the selected rows (kd_weight 1, the authors'), at the training rate
+  (kd_lr 0 = train.optimizer.lr); T, Adam and one pass over the public set per direction
+  (kd_epochs) are this implementation's defaults.
+- The server's model is the run's model.type: FedMosaic's tables give it the largest client
+  model (the paper's server LLM is the largest).
 """
 from __future__ import annotations
 
@@ -59,14 +64,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class FedMKTConfig:
-    kd_weight: float = option(0.5, 'λ of (1 − λ)·CE + λ·KD in both distillation directions '
-                                   '(FedMKT, Fan et al. COLING 2025: CE on the public labels plus '
-                                   'the selected teacher\'s KD; λ is this implementation\'s choice)',
+    kd_weight: float = option(1.0, 'λ of (1 − λ)·CE + λ·KD in both distillation directions; 1 = '
+                                   "the authors': distillation only, on the public rows whose "
+                                   "teacher was selected (dual minimum CE); below 1 adds CE on "
+                                   'every public row (an earlier choice of ours)',
                               ge=0, le=1)
     kd_epochs: int = option(1, 'passes over the public set per direction and round (server '
                                'model from the clients, then each client from the server)', ge=1)
     kd_batch_size: int = option(8, 'public records per distillation batch', ge=1)
-    kd_lr: float = option(1e-3, 'Adam learning rate of the distillation steps', gt=0)
+    kd_lr: float = option(0.0, 'Adam learning rate of the distillation steps; 0 = the training '
+                               "rate (train.optimizer.lr), as FedMKT's distillation trains at its "
+                               'fine-tuning rate', ge=0)
     kd_temperature: float = option(1.0, 'T of KL(q ‖ softmax(z/T)), q the teacher\'s '
                                         'softmax(z_t/T) aligned to the student\'s vocabulary', gt=0)
     public_data: str = option('held_out', 'labelled public data shared by the server and the '
@@ -77,6 +85,11 @@ class FedMKTConfig:
                                           "fsplug.data.public_holdout) or 'clients' (the clients' "
                                           'own training records, explicitly)')
     public_samples: int = option(256, 'public records used (a seeded choice)', ge=2)
+    server_model: str = option('largest', "the server's model: 'largest' = the largest model "
+                                          "(parameters) among the run's and the clients' (FedMKT's "
+                                          'server LLM is the largest; FedMosaic A.6); '
+                                          "'run' = the run's model.type",
+                               choices=('largest', 'run'))
 
 
 @register_method
@@ -102,13 +115,17 @@ class FedMKT(ServerModels):
 
     def aggregate(self, server_state, updates):
         rounds = server_state['rounds']
-        server_key = self.architecture(self.cfg)
+        run_key = self.architecture(self.cfg)
         client_keys = {u.client_id: self.architecture(self.client_configs.get(u.client_id, self.cfg))
                        for u in updates}
+        server_key = self.server_key(run_key, client_keys.values())
+        # the run's model keeps its LoRA as the saved global; another server model its own
+        start = (server_state['global'] if server_key == run_key
+                 else server_state.get('server') or self.initial_lora(server_key))
         client_views = {u.client_id: self.measure(client_keys[u.client_id], u.shared)
                         for u in updates}
-        server_view = self.measure(server_key, server_state['global'])
-        server_lora = self.server_from_clients(server_key, server_state['global'], server_view,
+        server_view = self.measure(server_key, start)
+        server_lora = self.server_from_clients(server_key, start, server_view,
                                                client_keys, client_views, rounds)
         server_losses, server_logits = self.measure(server_key, server_lora)
         server_probs = torch.softmax(server_logits / self.hparams.kd_temperature, -1)
@@ -121,8 +138,19 @@ class FedMKT(ServerModels):
             clients[str(update.client_id)] = self.distil(
                 key, update.shared, teacher, server_losses < client_losses,
                 ('fedmkt-kd', rounds, 'client', update.client_id))
-        return {**server_state, 'global': {**server_state['global'], **server_lora},
-                'clients': clients, 'rounds': rounds + 1}
+        if server_key == run_key:
+            return {**server_state, 'global': {**server_state['global'], **server_lora},
+                    'clients': clients, 'rounds': rounds + 1}
+        return {**server_state, 'server': server_lora, 'clients': clients, 'rounds': rounds + 1}
+
+    def server_key(self, run_key: str, client_keys) -> str:
+        """The server model's architecture key: the run's ('run'), or the largest model among
+        the run's and the clients' ('largest'; ties to the run's, then the first)."""
+        if self.hparams.server_model == 'run':
+            return run_key
+        keys = [run_key] + [k for k in dict.fromkeys(client_keys) if k != run_key]
+        sizes = [self.model_size(k) for k in keys]
+        return keys[sizes.index(max(sizes))]
 
     def server_from_clients(self, server_key, server_lora, server_view, client_keys,
                             client_views, round_idx: int) -> dict:

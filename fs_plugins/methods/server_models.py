@@ -91,6 +91,33 @@ class ServerModels(Method):
                 logits.append(prompt_end_rows(out, labels, IGNORE_INDEX).float().cpu())
         return torch.cat(losses), torch.cat(logits)
 
+    def model_size(self, key: str) -> int:
+        """Parameters of model `key` (base and adapter)."""
+        return sum(p.numel() for p in self._models[key][0].model.parameters())
+
+    def initial_lora(self, key: str) -> dict:
+        """Model `key`'s trained tensors as built (its initial adapter), on the CPU."""
+        built = self._models[key][0]
+        params = dict(built.model.named_parameters())
+        return {n: params[n].detach().to('cpu').clone() for n in built.trainable_names}
+
+    def public_accuracy(self, key: str, lora: dict) -> float:
+        """Answer-token accuracy of model `key` with `lora` on the labelled public set (the
+        share of answer tokens predicted exactly, over all its records)."""
+        built, batches = self._models[key]
+        model = built.model
+        load_tensors(model, lora)
+        model.eval()
+        correct = total = 0
+        with torch.no_grad():
+            for batch in batches:
+                out, labels = self.forward(model, batch)
+                predicted, targets = out[:, :-1].argmax(-1), labels[:, 1:].to(out.device)
+                scored = targets != IGNORE_INDEX
+                correct += int((predicted.eq(targets) & scored).sum())
+                total += int(scored.sum())
+        return correct / max(total, 1)
+
     @staticmethod
     def forward(model, batch: dict):
         device = next(model.parameters()).device
@@ -101,7 +128,7 @@ class ServerModels(Method):
     def train_on_public(self, key: str, lora: dict, batch_loss: BatchLoss,
                         seed_tags: tuple) -> dict:
         """`lora` on model `key` trained for kd_epochs passes over the public set (Adam at
-        kd_lr) on `batch_loss`; the other parameters stay frozen."""
+        kd_lr, 0: the training rate) on `batch_loss`; the other parameters stay frozen."""
         built, batches = self._models[key]
         model, hp = built.model, self.hparams
         device = next(model.parameters()).device
@@ -111,7 +138,7 @@ class ServerModels(Method):
         for name, param in model.named_parameters():
             param.requires_grad_(name in names)
         optimizer = torch.optim.Adam([p for n, p in model.named_parameters() if n in names],
-                                     lr=hp.kd_lr)
+                                     lr=hp.kd_lr or float(self.cfg.train.optimizer.lr))
         starts = [0]
         for batch in batches:
             starts.append(starts[-1] + batch['input_ids'].shape[0])

@@ -25,13 +25,17 @@ The run's own model's θ_i is the saved global state.
 Choices (ours, where the paper and code are silent or do not fit LLMs):
 - The distilled distribution is the next-token one at the end of each public prompt (as
   FedMKT and PerAda here): positions need no sequence alignment across tokenizers.
-- The heuristic search scores a candidate by the merged model's mean answer loss on the
-  (labelled) public records; the code scores accuracy on a labelled validation split of the
-  private data, which the server here does not hold.
+- The heuristic search scores a candidate by the merged model's answer-token accuracy on the
+  (labelled) public records (search_metric; 'loss': its mean answer loss); the code scores
+  accuracy on a labelled validation split of the private data, which the server here does not
+  hold. 25 candidates per exponent, the code's heuristic function's default.
+- FedMosaic's authors ran TAKFL with self-regularisation γ = 0.01 and uniform merge weights
+  (coefficients 'given', task_weights []): the FedMosaic tables' TAKFL rows set that.
 - Teachers are ordered from the smallest prototype (total parameter count of its model) up,
   the order of the code's prototypes and of its sorted candidates.
 - The code's `backprop` tuning of λ (on the test set) is not offered.
-- Optimiser: Adam with a constant kd_lr, no weight decay (the NLP script's distill_wd 0).
+- Optimiser: Adam at the training rate (kd_lr 0) or kd_lr, constant, no weight decay (the NLP
+  script's distill_wd 0).
 - Server-side copies of each prototype's model, the public batches, the token alignment, the
   measuring pass and the distillation's optimisation loop are shared with FedMKT
   (methods/server_models.py).
@@ -78,9 +82,14 @@ class TAKFLConfig:
     task_weights: list[float] = option([], "'given': one λ per teacher prototype, from the "
                                            'smallest model up (the code\'s --task_weights row); '
                                            '[] = uniform 1/J', ge=0)
-    search_candidates: int = option(10, "'search': random candidates per exponent (1, 5, 10) "
-                                        "besides the uniform one (the code's --n_candidates, "
-                                        'default 10)', ge=1)
+    search_candidates: int = option(25, "'search': random candidates per exponent (1, 5, 10) "
+                                        "besides the uniform one (the released code's heuristic "
+                                        "function's default 25; its CLI passes 10)", ge=1)
+    search_metric: str = option('accuracy', "'search': what scores a merged candidate on the "
+                                            "labelled public set: 'accuracy' (its answer-token "
+                                            "accuracy, as the code scores validation accuracy) or "
+                                            "'loss' (its mean answer loss, the lowest wins)",
+                                choices=('accuracy', 'loss'))
     self_weight: float = option(0.5, "γ of TAKFL's self-regularisation towards the prototype's "
                                      "own averaged model (§4.2; the code's --self_reg default "
                                      '0.5)', ge=0)
@@ -91,8 +100,9 @@ class TAKFLConfig:
     kd_epochs: int = option(1, "passes over the public set per (student, teacher) distillation "
                                "(the code's --distill_E of its NLP script)", ge=1)
     kd_batch_size: int = option(8, 'public records per distillation batch', ge=1)
-    kd_lr: float = option(1e-3, 'Adam learning rate of the distillation steps (ours, for LoRA; '
-                                'the code fine-tunes whole models at 3e-5)', gt=0)
+    kd_lr: float = option(0.0, 'Adam learning rate of the distillation steps; 0 = the training '
+                               'rate (train.optimizer.lr; the code distils at its fine-tuning '
+                               'rate, 3e-5 for whole models)', ge=0)
     public_data: str = option('held_out', "public data the server distils on (TAKFL's "
                                           "unlabelled public set; its labels serve only the "
                                           "'search'): a .json/.jsonl record file, a builtin "
@@ -172,7 +182,8 @@ class TAKFL(ServerModels):
     def coefficients_for(self, key: str, averaged: dict, vectors: list, label: str,
                          round_idx: int) -> list[float]:
         """λ of the merge: task_weights ('given'), or the heuristic candidate whose merged
-        model has the lowest mean public answer loss ('search', ties to the earlier one)."""
+        model scores best on the labelled public set ('search', search_metric; ties to the
+        earlier one)."""
         hp, count = self.hparams, len(vectors)
         if hp.coefficients == 'given':
             if not hp.task_weights:
@@ -183,9 +194,13 @@ class TAKFL(ServerModels):
             return list(hp.task_weights)
         rng = np.random.default_rng(derive_seed(self.cfg.seed, 'takfl-search', round_idx, label))
         candidates = candidate_coefficients(count, hp.search_candidates, rng)
-        losses = [float(self.measure(key, merge_task_vectors(averaged, vectors, c))[0].mean())
-                  for c in candidates]
-        return candidates[losses.index(min(losses))]
+        if hp.search_metric == 'loss':
+            scores = [-float(self.measure(key, merge_task_vectors(averaged, vectors, c))[0].mean())
+                      for c in candidates]
+        else:
+            scores = [self.public_accuracy(key, merge_task_vectors(averaged, vectors, c))
+                      for c in candidates]
+        return candidates[scores.index(max(scores))]
 
     # ------------------------------------------------------------------ distillation
     def distillation_loss(self, teacher: torch.Tensor, self_probs: torch.Tensor) -> BatchLoss:
@@ -200,10 +215,6 @@ class TAKFL(ServerModels):
                 self_probs[rows].to(device), hp.kd_temperature, hp.self_temperature,
                 hp.self_weight)
         return loss
-
-    def model_size(self, key: str) -> int:
-        """Parameters of prototype `key`'s model (base and adapter): the teachers' order."""
-        return sum(p.numel() for p in self._models[key][0].model.parameters())
 
 
 def prototype_label(cfg) -> str:
