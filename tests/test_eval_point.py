@@ -21,7 +21,7 @@ def test_trained_point_evaluates_the_local_models_received_the_global(tmp_path):
     results, clients, server = _run(tmp_path, 'trained')
     received, received_clients, received_server = _run(tmp_path, 'received')
     global_state = server.state['global']
-    for cid, client in clients.items():
+    for client in clients.values():
         own = _lora(client)
         # FedAvg-LoRA after one round: each client still holds its own trained LoRA
         assert any(not torch.equal(own[n], global_state[n].to(own[n])) for n in own if n in global_state)

@@ -192,7 +192,7 @@ def test_ws_shares_the_clients_own_frozen_base_and_gives_the_copys_gradient(tmp_
     state = method.init_client_state(model, ccfg)
     assert state['ws_own_base']
     with torch.no_grad():   # as after training: the adapters change the model's output
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.requires_grad:
                 param.add_(0.05 * torch.randn_like(param))
     base = load_base(model_spec(cfg))

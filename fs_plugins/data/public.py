@@ -48,18 +48,6 @@ def public_holdout_count(cfg) -> int:
     return 0
 
 
-def public_data_summary(cfg) -> str:
-    """'<key>: where the method's public set comes from' ('' when it uses none)."""
-    from fs_plugins.methods.specs import data_source   # lazy: the specs import torch
-    method = str(cfg.fsplug.method)
-    node = getattr(cfg.fsplug, method, None)
-    for source_key, _ in PUBLIC_OPTIONS:
-        if node is not None and source_key in node:
-            where = public_source(str(node[source_key]), data_source(cfg), public_holdout_count(cfg))
-            return f'fsplug.{method}.{source_key}: {where}'
-    return ''
-
-
 def public_source(source: str, run_data: DataSource, holdout: int = 0) -> str:
     """Where a public set comes from, for the run's summary."""
     if source == HELD_OUT:
@@ -86,7 +74,7 @@ def public_records(source: str, run_data: DataSource, count: int, seed: int, key
     if source == HELD_OUT:
         if split is None:
             raise ConfigError(f"{key} = '{HELD_OUT}' is not available here")
-        from fs_plugins.data.federated import load_data_records   # lazy: federated imports this
+        from fs_plugins.data.federated import load_data_records  # lazy: federated imports this
         records = load_data_records(split).public
         if not records:
             raise ConfigError(f"{key} = '{HELD_OUT}': no record of the run's data is held apart: "

@@ -38,7 +38,7 @@ def model_spec(cfg) -> ModelSpec:
 
 
 def split_spec(cfg) -> SplitSpec:
-    from fs_plugins.data.public import public_holdout_count   # lazy: data imports the specs
+    from fs_plugins.data.public import public_holdout_count  # lazy: data imports the specs
     return SplitSpec(source=data_source(cfg), splitter=str(cfg.data.splitter),
                      client_num=int(cfg.federate.client_num),
                      total_rounds=int(cfg.federate.total_round_num), seed=int(cfg.seed),

@@ -11,10 +11,10 @@ import torch
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.threads import thread_count, usable_cores
 from fs_plugins.data.federated import FederatedRecords, split_records
-from fs_plugins.data.public import public_data_summary
+from fs_plugins.data.public import PUBLIC_OPTIONS, public_holdout_count, public_source
 from fs_plugins.methods.base import Method
 from fs_plugins.methods.building import build_model
-from fs_plugins.methods.specs import split_spec
+from fs_plugins.methods.specs import data_source, split_spec
 from fs_plugins.run.artifacts import model_layout
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import Cfg, client_config, data_name, merge, model_path, to_plain
@@ -43,6 +43,17 @@ def results_dir(cfg, outdir_is_final: bool = False) -> str:
 def predictions_path(out_dir: str, client_id: int) -> str:
     """Where a client's latest generated answers go (scripts/judge_reports.py reads them)."""
     return os.path.join(out_dir, 'predictions', f'client_{client_id}.jsonl')
+
+
+def public_data_summary(cfg) -> str:
+    """'<key>: where the method's public set comes from' ('' when it reads none)."""
+    method = str(cfg.fsplug.method)
+    node = getattr(cfg.fsplug, method, None)
+    for source_key, _ in PUBLIC_OPTIONS:
+        if node is not None and source_key in node:
+            where = public_source(str(node[source_key]), data_source(cfg), public_holdout_count(cfg))
+            return f'fsplug.{method}.{source_key}: {where}'
+    return ''
 
 
 def run_info(cfg, runner: str, client_names: dict, client_cfgs: dict | None = None) -> dict:
