@@ -182,6 +182,8 @@ MODEL_SETUP = {'flame': FLAME_MODEL, 'hetlora_experts': FLAME_MODEL,   # tiny OL
                                                 'public_samples': 8},
                                      'aggregation': {'per_architecture': True}}},
                'fedmkt': {'fsplug': {'fedmkt': {'kd_batch_size': 4, 'public_samples': 8}}},
+               # the alignment's public set: 16 training records held apart from every client
+               'fedmosaic': {'fsplug': {'data': {'public_holdout': 16}}},
                'takfl': {'fsplug': {'takfl': {'kd_batch_size': 4, 'public_samples': 8,
                                               'search_candidates': 2}}}}
 # the LoRA-reuse methods compose the builtin tiny library (tuners.library.builtin)
@@ -211,8 +213,7 @@ def test_fs_standalone_matches_embedded(tmp_path, method):
         deep_update(cfg, TOY)
     deep_update(cfg, MODEL_SETUP.get(method, {}))
     if method == 'fedmosaic':
-        deep_update(cfg, {'fsplug': {'data': {'public_holdout': 16},
-                                     'fedmosaic': {'num_blocks': 1, 'gradient_every': 2,
+        deep_update(cfg, {'fsplug': {'fedmosaic': {'num_blocks': 1, 'gradient_every': 2,
                                                    'alignment_dir': str(tmp_path / 'align')}}})
     deep_update(cfg, {'fsplug': {'results_dir': str(tmp_path / 'fs')}})
     client_cfgs = CLIENT_CFGS.get(method)

@@ -160,7 +160,9 @@ def test_a_trained_projector_goes_with_the_global_model(tmp_path, method, person
     """Trained tensors outside the adapters (LLaVA's projector) train and are shared with the
     global adapter; only the personal adapters stay local."""
     from test_multimodal import vl_config
-    cfg, _ = vl_config(tmp_path, 'tiny_llava', fsplug={'method': method, 'perada': SMALL_KD},
+    # the tiny VQA file is too small to hold a public set apart: PerAda reads the clients' own
+    cfg, _ = vl_config(tmp_path, 'tiny_llava', fsplug={'method': method, 'perada': {
+        **SMALL_KD, 'public_data': 'clients'}},
                        eval={'freq': 100}, **{'federate': {'total_round_num': 1}})
     results, clients = run_embedded_keeping_clients(cfg)
     proc = clients[1]

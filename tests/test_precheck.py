@@ -103,7 +103,11 @@ def test_every_shipped_yaml_passes(path):
     if all(str(k).startswith('client_') for k in plain):
         return   # a --client_cfg file
     pre.precheck(os.path.join(REPO, path), placeholders=False)
-    placeholders = [key for key, value in leaves(plain) if is_placeholder(value)]
+    method = (plain.get('fsplug') or {}).get('method')
+    # a placeholder under another method's node (a baseline's public set) is not read by the run
+    placeholders = [key for key, value in leaves(plain) if is_placeholder(value)
+                    and not (key.startswith('fsplug.') and key.split('.')[1] in method_index.METHODS
+                             and key.split('.')[1] != method)]
     if placeholders:   # the paper-scale YAMLs: refused until the user fills them in
         assert [p.split(':')[0] for p in problems_of(pre.precheck, os.path.join(REPO, path))] \
             == placeholders
@@ -112,8 +116,10 @@ def test_every_shipped_yaml_passes(path):
 def test_a_placeholder_left_is_refused_naming_the_key_and_where_it_was_set(tmp_path, capsys):
     """Before anything loads: the YAML's, the command line's and the --client_cfg file's."""
     path = write_yaml(tmp_path / 'c.yaml', tiny_config(
-        tmp_path, fsplug={'fedmosaic': {'alignment_data': '/path/to/public.jsonl'}}))
+        tmp_path, 'fedmosaic', fsplug={'fedmosaic': {'alignment_data': '/path/to/public.jsonl'}}))
     problems = problems_of(pre.precheck, path, ['data.root', '/path/to/my_data'])
+    # another method reads no fsplug.fedmosaic key: its placeholder does not stop that run
+    assert problems_of(pre.precheck, path, ['fsplug.method', 'fedavg']) == []
     assert sorted(problems) == [
         "data.root: '/path/to/my_data' is a placeholder for a file or model you supply: replace it "
         "on the command line",

@@ -35,19 +35,6 @@ CLIENTS = 'clients'     # the clients' own training records: explicit only
 PUBLIC_OPTIONS = (('public_data', 'public_samples'), ('alignment_data', 'alignment_samples'))
 
 
-def public_holdout_count(cfg) -> int:
-    """Training records the run holds apart from its clients: fsplug.data.public_holdout, else
-    the count of the method's public_data when its source is HELD_OUT (0: none)."""
-    configured = int(cfg.fsplug.data.public_holdout)
-    if configured:
-        return configured
-    node = getattr(cfg.fsplug, str(cfg.fsplug.method), None)
-    source_key, count_key = PUBLIC_OPTIONS[0]
-    if node is not None and source_key in node and node[source_key] == HELD_OUT:
-        return int(node[count_key])
-    return 0
-
-
 def public_source(source: str, run_data: DataSource, holdout: int = 0) -> str:
     """Where a public set comes from, for the run's summary."""
     if source == HELD_OUT:

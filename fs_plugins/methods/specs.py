@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fs_plugins.data.public import HELD_OUT, PUBLIC_OPTIONS
 from fs_plugins.schema.options import build, to_plain
 from fs_plugins.schema.plugin import DataOptions, ModelOptions
 from fs_plugins.schema.specs import DataSource, ModelSpec, SplitSpec, location_of
@@ -38,9 +39,21 @@ def model_spec(cfg) -> ModelSpec:
 
 
 def split_spec(cfg) -> SplitSpec:
-    from fs_plugins.data.public import public_holdout_count  # lazy: data imports the specs
     return SplitSpec(source=data_source(cfg), splitter=str(cfg.data.splitter),
                      client_num=int(cfg.federate.client_num),
                      total_rounds=int(cfg.federate.total_round_num), seed=int(cfg.seed),
                      options=build(DataOptions, to_plain(cfg.fsplug.data)),
                      public_holdout=public_holdout_count(cfg))
+
+
+def public_holdout_count(cfg) -> int:
+    """Training records the run holds apart from its clients: fsplug.data.public_holdout, else
+    the count of the method's public_data when its source is HELD_OUT (0: none)."""
+    configured = int(cfg.fsplug.data.public_holdout)
+    if configured:
+        return configured
+    node = getattr(cfg.fsplug, str(cfg.fsplug.method), None)
+    source_key, count_key = PUBLIC_OPTIONS[0]
+    if node is not None and source_key in node and node[source_key] == HELD_OUT:
+        return int(node[count_key])
+    return 0

@@ -11,10 +11,10 @@ import torch
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.threads import thread_count, usable_cores
 from fs_plugins.data.federated import FederatedRecords, split_records
-from fs_plugins.data.public import PUBLIC_OPTIONS, public_holdout_count, public_source
+from fs_plugins.data.public import PUBLIC_OPTIONS, public_source
 from fs_plugins.methods.base import Method
 from fs_plugins.methods.building import build_model
-from fs_plugins.methods.specs import data_source, split_spec
+from fs_plugins.methods.specs import data_source, public_holdout_count, split_spec
 from fs_plugins.run.artifacts import model_layout
 from fs_plugins.run.client import ClientProcedure
 from fs_plugins.run.config import Cfg, client_config, data_name, merge, model_path, to_plain

@@ -30,10 +30,14 @@ def without_placeholders(node: Mapping) -> dict:
     return out
 
 
-def placeholder_problems(layers: list[tuple[Mapping, str]], overridable: bool = True) -> list[str]:
+def placeholder_problems(layers: list[tuple[Mapping, str]], overridable: bool = True,
+                         methods: frozenset = frozenset()) -> list[str]:
     """One line per key whose effective value (the last layer that sets it wins) is still a
     placeholder, naming the key, the value and the layer (a YAML file or the command line).
-    overridable: the key can also be given on the command line (not so a --client_cfg entry)."""
+    overridable: the key can also be given on the command line (not so a --client_cfg entry).
+    methods: the registered method names; a placeholder under another method's node than the
+    run's (fsplug.method) is not read by the run and does not stop it (a paper YAML names the
+    public set of the baselines its table runs on it)."""
     effective: dict[str, tuple[object, str]] = {}
     for layer, source in layers:
         for key, value in leaves(layer):
@@ -47,9 +51,12 @@ def placeholder_problems(layers: list[tuple[Mapping, str]], overridable: bool = 
         if not overridable:
             return f'replace it in {source}'
         return f"replace it in {source} or give '{key} <value>' on the command line"
+    method = str(effective.get('fsplug.method', ('', ''))[0])
+    unread = tuple(f'fsplug.{name}.' for name in methods if name != method)
     return [f"{key}: '{value}' is a placeholder for a file or model you supply: "
             f'{advice(key, source)}'
-            for key, (value, source) in effective.items() if is_placeholder(value)]
+            for key, (value, source) in effective.items()
+            if is_placeholder(value) and not key.startswith(unread)]
 
 
 

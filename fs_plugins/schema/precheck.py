@@ -68,7 +68,7 @@ def precheck(path: str | None, opts: list[str] | None = None, fs: bool = False,
         raise
     except Exception:    # noqa: BLE001 -- what the pre-check cannot read, the full check reports
         return
-    left = placeholder_problems(layers) if placeholders else []
+    left = placeholder_problems(layers, methods=frozenset(method_index.METHODS)) if placeholders else []
     try:
         incomplete = any(layer_modules(layer) for layer, _ in layers)
         known = KnownMethods(index_methods(), complete=not incomplete, registries=False)
