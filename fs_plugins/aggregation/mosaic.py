@@ -85,6 +85,11 @@ def ema_update(previous: torch.Tensor | None, current: torch.Tensor, ratio: floa
     return (1.0 - ratio) * previous + ratio * current
 
 
+def kept_coordinates(dim: int, keep_fraction: float) -> int:
+    """How many of a gradient's `dim` coordinates the mask keeps: round(N_s·dim), at least 1."""
+    return max(1, round(keep_fraction * dim))
+
+
 def shared_mask(dim: int, keep_fraction: float, seed: int) -> torch.Tensor:
     """The subsampling mask M of Eq. 3: a bool vector of length dim with round(N_s·dim) (at
     least 1) True entries at positions drawn from a generator seeded with seed. Every client
@@ -94,7 +99,7 @@ def shared_mask(dim: int, keep_fraction: float, seed: int) -> torch.Tensor:
         raise ValueError(f'dim must be >= 1, got {dim}')
     if not 0.0 < keep_fraction <= 1.0:
         raise ValueError(f'keep_fraction must be in (0, 1], got {keep_fraction}')
-    count = max(1, round(keep_fraction * dim))
+    count = kept_coordinates(dim, keep_fraction)
     generator = torch.Generator().manual_seed(seed)
     mask = torch.zeros(dim, dtype=torch.bool)
     mask[torch.randperm(dim, generator=generator)[:count]] = True

@@ -122,7 +122,8 @@ def other_memory(method, model: torch.nn.Module, cfg) -> dict[str, int]:
     """The bytes beside weights, trainable tensors, optimiser state and activations: the
     model's buffers (e.g. FedMosaic's frozen global modules) and `Method.memory_terms`."""
     terms = {'buffers': sum(b.numel() * b.element_size() for b in model.buffers())}
-    terms.update(method.memory_terms(model, cfg))
+    with architecture_only(device='meta'):   # a model the method loads for it (FedMosaic's W_s)
+        terms.update(method.memory_terms(model, cfg))
     return {name: int(size) for name, size in terms.items() if size}
 
 
@@ -303,9 +304,8 @@ def _probe(cfg, method_cls, layers: dict, samples: int, seq_len: int,
     config = getattr(built.model.config, 'text_config', None) or built.model.config
     logits = batch['input_ids'].numel() * int(getattr(config, 'vocab_size', 0) or 0) * 4
     sent = method.shared_tensors(built.model, built.trainable_names)
-    figures = torch.tensor([saved, logits, _tensor_bytes(sent), sum(t.numel() for t in sent.values())],
-                           dtype=torch.float64)
-    return figures
+    return torch.tensor([saved, logits, _tensor_bytes(sent), sum(t.numel() for t in sent.values())],
+                        dtype=torch.float64)
 
 
 def memoised_probe(cfg, method_cls, seq_len: int):

@@ -63,7 +63,7 @@ from fs_plugins.run.runtime import (
     run_info,
     use_thread_setting,
 )
-from fs_plugins.run.server import ServerProcedure
+from fs_plugins.run.server import ServerProcedure, evaluates_received_content
 
 logger = logging.getLogger(__name__)
 
@@ -709,14 +709,14 @@ class PluginClient(Client):
         self._resume_before(int(message.state) + 1)
         self.trainer.procedure.round_idx = int(message.state)   # PFL-Dynamic: what is visible
         self.trainer.start_evaluation()
-        if self._cfg.fsplug.eval.point == 'trained':
+        if not evaluates_received_content(self._cfg):
             message.content = None   # evaluated as its last local training left it
         super().callback_funcs_for_evaluate(message)
         self._save_if_due(int(message.state))
 
     def callback_funcs_for_save(self, message):
         self._resume_before(int(message.state) + 1)
-        if self._cfg.fsplug.eval.point == 'received':
+        if evaluates_received_content(self._cfg):
             self.trainer.update(message.content)
         self._save_if_due(int(message.state))
 

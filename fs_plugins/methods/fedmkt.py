@@ -37,8 +37,6 @@ Choices (the paper cannot be read here):
 - Distillation only on the selected rows (kd_weight 1, the authors'), at the training rate
   (kd_lr 0 = train.optimizer.lr); T, Adam and one pass over the public set per direction
   (kd_epochs) are this implementation's defaults.
-- The server's model is the run's model.type: FedMosaic's tables give it the largest client
-  model (the paper's server LLM is the largest).
 """
 from __future__ import annotations
 

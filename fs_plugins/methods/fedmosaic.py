@@ -42,7 +42,7 @@ from statistics import mean
 
 import torch
 
-from fs_plugins.aggregation.mosaic import customised_globals, rela_weights, uniform_weights
+from fs_plugins.aggregation.mosaic import customised_globals, kept_coordinates, rela_weights, uniform_weights
 from fs_plugins.aggregation.nash import nash_weights
 from fs_plugins.core.errors import ConfigError
 from fs_plugins.core.seeding import derive_seed
@@ -51,7 +51,7 @@ from fs_plugins.methods.base import Contract, Method, PaperClaim, differing_clie
 from fs_plugins.methods.building import build_model
 from fs_plugins.methods.registry import register_method
 from fs_plugins.methods.specs import model_spec, split_spec
-from fs_plugins.models.builders import architecture_only, load_base, sizing_architecture_only
+from fs_plugins.models.builders import load_base, sizing_architecture_only
 from fs_plugins.schema import option
 from fs_plugins.schema.options import Cfg, to_plain
 from fs_plugins.tuners.mosaic.alignment import Pivot, align_to_pivot
@@ -466,7 +466,7 @@ class FedMosaic(Method):
         if self.uses_small_model() and rela.due() and state['ws_own_base']:
             rela.record(frozen_base_gradient(model, batch, self.hparams.gradient_layer),
                         labelled_tokens(batch))
-        elif self.uses_small_model() and rela.due():
+        elif self.uses_small_model() and rela.due():   # W_s is a model of its own
             small_batch = self.small_batch(batch, state)
             if small_batch is not None:
                 small = self.small_model(state, batch['input_ids'].device)
@@ -516,16 +516,21 @@ class FedMosaic(Method):
         """The model-type ids, and RELA's sanitised gradient: N_s of W_s's chosen weight."""
         shapes = {ARCH_KEY: ((), torch.int64), PIVOT_KEY: ((), torch.int64)}
         if self.takes_rela_gradient():
-            if self.hparams.rela_model == 'training':
-                r = int(cfg.fsplug.model.lora.r)
-                numel = len(last_block_pq_layers(model.fedmosaic_pq)) * (r * r + r)
-            elif self.ws_is_own_base(model, cfg):
-                numel = gradient_weight(model, self.hparams.gradient_layer).numel()
-            else:
-                small = load_base(model_spec(self.small_config(cfg))).model
-                numel = gradient_weight(small, self.hparams.gradient_layer).numel()
-            shapes[GRAD_KEY] = (max(1, round(self.hparams.gradient_keep * numel)),)
+            numel, _ = self.rela_gradient_source(model, cfg)
+            shapes[GRAD_KEY] = (kept_coordinates(numel, self.hparams.gradient_keep),)
         return shapes
+
+    def rela_gradient_source(self, model, cfg) -> tuple[int, torch.nn.Module | None]:
+        """(entries of the gradient RELA takes, W_s's own copy or None): the last block's P, Q
+        (rela_model 'training'), W_s's chosen weight on the client's base (no copy), else on
+        W_s loaded on its own (in the caller's `architecture_only` context, if any)."""
+        if self.hparams.rela_model == 'training':
+            r = int(cfg.fsplug.model.lora.r)
+            return len(last_block_pq_layers(model.fedmosaic_pq)) * (r * r + r), None
+        if self.ws_is_own_base(model, cfg):
+            return gradient_weight(model, self.hparams.gradient_layer).numel(), None
+        small = load_base(model_spec(self.small_config(cfg))).model
+        return gradient_weight(small, self.hparams.gradient_layer).numel(), small
 
     def cost_period(self, cfg) -> int:
         """RELA takes W_s's gradient every gradient_every steps (the training model's costs no
@@ -539,17 +544,10 @@ class FedMosaic(Method):
         if not self.takes_rela_gradient():
             return {}
         hp, terms = self.hparams, {}
-        if hp.rela_model == 'training':
-            numel = len(last_block_pq_layers(model.fedmosaic_pq)) * (int(cfg.fsplug.model.lora.r) ** 2
-                                                                     + int(cfg.fsplug.model.lora.r))
-        elif self.ws_is_own_base(model, cfg):
-            numel = gradient_weight(model, hp.gradient_layer).numel()
-        else:
-            with architecture_only(device='meta'):
-                small = load_base(model_spec(self.small_config(cfg))).model
+        numel, small = self.rela_gradient_source(model, cfg)
+        if small is not None:
             terms['W_s copy (RELA)'] = sum(p.numel() * p.element_size() for p in small.parameters())
-            numel = gradient_weight(small, hp.gradient_layer).numel()
-        kept = max(1, round(hp.gradient_keep * numel))
+        kept = kept_coordinates(numel, hp.gradient_keep)
         terms['RELA gradient state'] = rela_state_bytes(hp.sanitise_order, numel, kept)
         return terms
 

@@ -194,12 +194,11 @@ class TAKFL(ServerModels):
             return list(hp.task_weights)
         rng = np.random.default_rng(derive_seed(self.cfg.seed, 'takfl-search', round_idx, label))
         candidates = candidate_coefficients(count, hp.search_candidates, rng)
-        if hp.search_metric == 'loss':
-            scores = [-float(self.measure(key, merge_task_vectors(averaged, vectors, c))[0].mean())
-                      for c in candidates]
-        else:
-            scores = [self.public_accuracy(key, merge_task_vectors(averaged, vectors, c))
-                      for c in candidates]
+        def score(merged: dict) -> float:   # higher is better
+            if hp.search_metric == 'loss':
+                return -float(self.measure(key, merged)[0].mean())
+            return self.public_accuracy(key, merged)
+        scores = [score(merge_task_vectors(averaged, vectors, c)) for c in candidates]
         return candidates[scores.index(max(scores))]
 
     # ------------------------------------------------------------------ distillation

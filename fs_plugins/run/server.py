@@ -98,9 +98,7 @@ class ServerProcedure:
 
     @property
     def evaluates_received_content(self) -> bool:
-        """Whether a client loads the server's content before it is evaluated or saved
-        (fsplug.eval.point 'received'); 'trained': its model as local training left it."""
-        return self.cfg.fsplug.eval.point == 'received'
+        return evaluates_received_content(self.cfg)
 
     def content_for(self, client_id: int, for_training: bool = True) -> dict:
         content = self.method.content_for(self._state_of(client_id), client_id)
@@ -359,3 +357,8 @@ class _StayOnMeta(torch.overrides.TorchFunctionMode):
             return args[0]
         return func(*args, **(kwargs or {}))
 
+
+def evaluates_received_content(cfg) -> bool:
+    """Whether a client loads the server's content before it is evaluated or saved
+    (fsplug.eval.point 'received'); 'trained': its model as local training left it."""
+    return cfg.fsplug.eval.point == 'received'
